@@ -1,0 +1,12 @@
+"""What PyTorch and JAX share: the option definitions and checks, and the float64 spec."""
+
+from interop.options import CrossEntropyOptions, ProblemShape, check_inputs
+from interop.reference import ReferenceResult, linear_cross_entropy_reference
+
+__all__ = [
+    "CrossEntropyOptions",
+    "ProblemShape",
+    "check_inputs",
+    "ReferenceResult",
+    "linear_cross_entropy_reference",
+]

@@ -1,0 +1,146 @@
+"""The loss options and the input checks, defined once for both frameworks.
+
+`torch_impl` and `jax_impl` translate their tensors' shapes and dtypes into plain
+tuples and dtype names (``"bfloat16"``, ``"int64"``, ...) and call the functions here,
+so both frameworks accept the same arguments and refuse bad input with the same
+messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+REDUCTIONS = ("none", "sum", "mean")
+WEIGHT_LAYOUTS = ("VD", "DV")
+DEFAULT_IGNORE_INDEX = -100
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyOptions:
+    """The options of linear cross-entropy, validated on construction.
+
+    reduction: "none" | "sum" | "mean" (mean divides by the summed class weight of the
+        valid rows, as `torch.nn.functional.cross_entropy` does).
+    ignore_index: target value whose rows contribute nothing (default -100). ``None``
+        is accepted as in `torch.nn.functional.linear_cross_entropy` and means -100.
+    label_smoothing: eps in [0, 1]; mixes the one-hot target with a uniform one.
+    z_loss: coefficient of lse**2 added to each valid row's loss (>= 0).
+    softcap: c > 0 applies c * tanh(z / c) to the logits; None disables it.
+    """
+
+    reduction: str = "mean"
+    ignore_index: int = DEFAULT_IGNORE_INDEX
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+
+    def __post_init__(self):
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.ignore_index is None:
+            object.__setattr__(self, "ignore_index", DEFAULT_IGNORE_INDEX)
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        eps = _as_float("label_smoothing", self.label_smoothing)
+        if not 0.0 <= eps <= 1.0:
+            raise ValueError(f"label_smoothing must lie in [0, 1], got {self.label_smoothing!r}")
+        zl = _as_float("z_loss", self.z_loss)
+        if not (zl >= 0.0 and math.isfinite(zl)):
+            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss!r}")
+        object.__setattr__(self, "label_smoothing", eps)
+        object.__setattr__(self, "z_loss", zl)
+        if self.softcap is not None:
+            cap = _as_float("softcap", self.softcap)
+            if not (cap > 0.0 and math.isfinite(cap)):
+                raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
+            object.__setattr__(self, "softcap", cap)
+
+
+def _as_float(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemShape:
+    """Sizes of one call: ``lead_shape`` is the input's shape without D; N = prod(lead_shape)."""
+
+    lead_shape: tuple
+    n_rows: int
+    hidden: int
+    vocab: int
+
+
+def check_inputs(
+    *,
+    input_shape: tuple,
+    input_dtype: str,
+    weight_shape: tuple,
+    weight_dtype: str,
+    target_shape: tuple,
+    target_dtype: str,
+    bias_shape: tuple | None = None,
+    bias_dtype: str | None = None,
+    class_weight_shape: tuple | None = None,
+    class_weight_dtype: str | None = None,
+    weight_layout: str = "VD",
+) -> ProblemShape:
+    """Check shapes and dtypes of one call; return its sizes.
+
+    Shapes are tuples of ints, dtypes are names such as "bfloat16". ``weight_shape`` is
+    [V, D] for ``weight_layout="VD"`` (nn.Linear, tied embeddings) or [D, V] for "DV"
+    (Flax nnx.Linear's kernel). Raises ValueError for shapes, ranks and layouts, and
+    TypeError for dtypes, naming the argument and what it got.
+    """
+    input_shape, weight_shape, target_shape = tuple(input_shape), tuple(weight_shape), tuple(target_shape)
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    if input_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"input must have a floating dtype {FLOAT_DTYPES}, got {input_dtype}")
+    if weight_dtype != input_dtype:
+        raise TypeError(
+            f"input and linear_weight must have the same dtype, got input {input_dtype} and linear_weight {weight_dtype}"
+        )
+    if len(input_shape) < 1:
+        raise ValueError(f"input must have shape [..., D], got a scalar of shape {input_shape}")
+    if len(weight_shape) != 2:
+        raise ValueError(f"linear_weight must be 2-D ({'[V, D]' if weight_layout == 'VD' else '[D, V]'}), got shape {weight_shape}")
+    vocab, hidden = weight_shape if weight_layout == "VD" else weight_shape[::-1]
+    if input_shape[-1] != hidden:
+        raise ValueError(
+            f"input's last dimension must equal linear_weight's hidden size D={hidden} "
+            f"(linear_weight {weight_shape}, weight_layout={weight_layout!r}), got input shape {input_shape}"
+        )
+    if vocab < 1:
+        raise ValueError(f"linear_weight must have at least one class, got shape {weight_shape}")
+    if target_dtype in FLOAT_DTYPES or target_dtype not in INT_DTYPES:
+        raise ValueError(f"target must hold integer class indices, got dtype {target_dtype} (class-probability targets are not supported)")
+    lead_shape = input_shape[:-1]
+    if target_shape != lead_shape:
+        raise ValueError(f"target must have shape {lead_shape} (input {input_shape} without its last dimension), got {target_shape}")
+    if bias_shape is not None:
+        if tuple(bias_shape) != (vocab,):
+            raise ValueError(f"linear_bias must have shape ({vocab},) matching linear_weight {weight_shape}, got {tuple(bias_shape)}")
+        if bias_dtype != input_dtype:
+            raise TypeError(f"linear_bias must have the input's dtype {input_dtype}, got {bias_dtype}")
+    if class_weight_shape is not None:
+        if tuple(class_weight_shape) != (vocab,):
+            raise ValueError(f"weight (class weights) must have shape ({vocab},), got {tuple(class_weight_shape)}")
+        if class_weight_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"weight (class weights) must have a floating dtype, got {class_weight_dtype}")
+    return ProblemShape(lead_shape=lead_shape, n_rows=math.prod(lead_shape), hidden=hidden, vocab=vocab)
+
+
+def target_out_of_range_message(bad_target: int, vocab: int, ignore_index: int) -> str:
+    """The error raised, in eager calls, for a target outside [0, V) that is not ignore_index."""
+    return (
+        f"target holds {bad_target}, outside [0, {vocab}) for a vocabulary of V={vocab} "
+        f"and not ignore_index={ignore_index}"
+    )

@@ -1,0 +1,179 @@
+"""Pure-XLA linear cross-entropy over row chunks: the fallback wherever no kernel runs.
+
+A `jax.custom_vjp` whose forward pass scans over chunks of C rows, keeping one C x V
+block of fp32 logits at a time and saving only the per-row lse; the backward pass scans
+again, recomputing each chunk's logits and turning them into the gradients
+(interop/SPEC.md). The head weight is used in the layout it is given ([V, D] or
+[D, V]) and never copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from interop.options import CrossEntropyOptions
+
+CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MiB in fp32)
+
+
+def default_chunk_rows(n_rows: int, vocab: int) -> int:
+    """Rows per chunk so that one chunk holds about CHUNK_ELEMENTS logits."""
+    return max(1, min(n_rows, CHUNK_ELEMENTS // max(vocab, 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedConfig:
+    """Static configuration of one call (hashable: it is a nondiff argument)."""
+
+    options: CrossEntropyOptions
+    weight_layout: str
+    chunk_rows: int
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """fp32 for 16- and 32-bit inputs, fp64 for fp64."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _capped_logits(x_CD, W, b_V, cfg: ChunkedConfig, dtype):
+    """Soft-capped logits s [C, V] of one chunk, accumulated in `dtype`."""
+    contract_w = 1 if cfg.weight_layout == "VD" else 0
+    z_CV = jax.lax.dot_general(x_CD, W, (((1,), (contract_w,)), ((), ())), preferred_element_type=dtype)
+    if b_V is not None:
+        z_CV = z_CV + b_V.astype(dtype)
+    cap = cfg.options.softcap
+    return z_CV if cap is None else cap * jnp.tanh(z_CV / cap)
+
+
+@dataclasses.dataclass
+class TargetRows:
+    """Per-row target facts: safe indices, valid / in-range / bad masks and cw[y] (0 if ignored)."""
+
+    safe_y: jax.Array
+    valid: jax.Array
+    in_range: jax.Array
+    bad: jax.Array
+    cw_y: jax.Array
+
+    @classmethod
+    def build(cls, y_N, cw_V, vocab: int, ignore_index: int, dtype) -> "TargetRows":
+        valid = y_N != ignore_index
+        in_range = (y_N >= 0) & (y_N < vocab)
+        safe_y = jnp.where(in_range, y_N, 0)
+        cw_y = jnp.ones(y_N.shape, dtype) if cw_V is None else cw_V.astype(dtype)[safe_y]
+        return cls(safe_y, valid, in_range, valid & ~in_range, jnp.where(valid, cw_y, 0))
+
+
+def _row_loss(s_CV, lse_C, safe_y_C, valid_C, bad_C, cw_y_C, cw_V, opts: CrossEntropyOptions):
+    """Per-row loss [C] of one chunk (0 for ignored rows, NaN for out-of-range targets)."""
+    eps, vocab = opts.label_smoothing, s_CV.shape[1]
+    s_y = jnp.take_along_axis(s_CV, safe_y_C[:, None], axis=1)[:, 0]
+    loss = (1 - eps) * cw_y_C * (lse_C - s_y)
+    if eps:
+        cw_sum = vocab if cw_V is None else cw_V.sum()
+        weighted_s = s_CV.sum(1) if cw_V is None else s_CV @ cw_V
+        loss = loss + eps * (cw_sum * lse_C - weighted_s) / vocab
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse_C * lse_C
+    loss = jnp.where(bad_C, jnp.nan, loss)
+    return jnp.where(valid_C, loss, 0)
+
+
+def _chunks(a, n_rows: int, chunk_rows: int, fill):
+    """[N, ...] -> [N_chunks, C, ...], padding the last chunk with `fill`."""
+    n_chunks = -(-n_rows // chunk_rows)
+    pad = n_chunks * chunk_rows - n_rows
+    if pad:
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+    return a.reshape((n_chunks, chunk_rows) + a.shape[1:])
+
+
+def _forward(x_ND, W, b_V, cw_V, y_N, cfg: ChunkedConfig):
+    """(reduced loss, lse [N], TargetRows) in the compute dtype."""
+    opts, n_rows = cfg.options, x_ND.shape[0]
+    dtype = compute_dtype(x_ND.dtype)
+    vocab = W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
+    cw = None if cw_V is None else cw_V.astype(dtype)
+    rows = TargetRows.build(y_N, cw, vocab, opts.ignore_index, dtype)
+
+    def chunk(_, xs):
+        x_CD, safe_y, valid, bad, cw_y = xs
+        s_CV = _capped_logits(x_CD, W, b_V, cfg, dtype)
+        lse_C = jax.nn.logsumexp(s_CV, axis=1)
+        return None, (lse_C, _row_loss(s_CV, lse_C, safe_y, valid, bad, cw_y, cw, opts))
+
+    per_row = (x_ND, rows.safe_y, rows.valid, rows.bad, rows.cw_y)
+    xs = tuple(_chunks(a, n_rows, cfg.chunk_rows, 0) for a in per_row)
+    _, (lse, loss) = jax.lax.scan(chunk, None, xs)
+    lse_N, loss_N = lse.reshape(-1)[:n_rows], loss.reshape(-1)[:n_rows]
+    if opts.reduction == "sum":
+        loss = loss_N.sum()
+    elif opts.reduction == "mean":
+        loss = loss_N.sum() / rows.cw_y.sum()
+    else:
+        loss = loss_N
+    return loss, lse_N, rows
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def chunked_linear_cross_entropy(x_ND, W, b_V, cw_V, y_N, cfg: ChunkedConfig):
+    """(loss, lse [N]) over flattened rows x [N, D], y [N]; fp32 (fp64 for fp64 input)."""
+    loss, lse_N, _ = _forward(x_ND, W, b_V, cw_V, y_N, cfg)
+    return loss, lse_N
+
+
+def _fwd(x_ND, W, b_V, cw_V, y_N, cfg):
+    loss, lse_N, _ = _forward(x_ND, W, b_V, cw_V, y_N, cfg)
+    return (loss, lse_N), (x_ND, W, b_V, cw_V, y_N, lse_N)
+
+
+def _bwd(cfg: ChunkedConfig, res, cotangents):
+    x_ND, W, b_V, cw_V, y_N, lse_N = res
+    g_loss, g_lse = cotangents
+    opts, n_rows, dtype = cfg.options, x_ND.shape[0], lse_N.dtype
+    vocab = W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
+    eps = opts.label_smoothing
+    cw = None if cw_V is None else cw_V.astype(dtype)
+    rows = TargetRows.build(y_N, cw, vocab, opts.ignore_index, dtype)
+    g = g_loss.astype(dtype)
+    if opts.reduction == "mean":
+        g = g / rows.cw_y.sum()
+    r = jnp.where(rows.valid, jnp.broadcast_to(g, (n_rows,)), 0)
+    cw_mean = 1.0 if cw is None else cw.sum() / vocab
+    p_coef = r * ((1 - eps) * rows.cw_y + eps * cw_mean + 2 * opts.z_loss * lse_N) + g_lse.astype(dtype)
+    p_coef = jnp.where(rows.bad, jnp.nan, p_coef)
+    t_coef = jnp.where(rows.in_range, r * (1 - eps) * rows.cw_y, 0)
+    s_coef = r * eps / vocab
+    contract_w = 0 if cfg.weight_layout == "VD" else 1
+    cap = opts.softcap
+
+    def chunk(carry, xs):
+        dW, db = carry
+        x_CD, lse_C, p_C, t_C, s_C, safe_y = xs
+        s_CV = _capped_logits(x_CD, W, b_V, cfg, dtype)
+        dz_CV = jnp.exp(s_CV - lse_C[:, None]) * p_C[:, None] - s_C[:, None] * (1.0 if cw is None else cw)
+        dz_CV = dz_CV - t_C[:, None] * jax.nn.one_hot(safe_y, vocab, dtype=dtype)
+        if cap is not None:
+            dz_CV = dz_CV * (1 - (s_CV / cap) ** 2)
+        dz_in = dz_CV.astype(x_CD.dtype)
+        dx_CD = jax.lax.dot_general(dz_in, W, (((1,), (contract_w,)), ((), ())), preferred_element_type=dtype)
+        if cfg.weight_layout == "VD":
+            dW = dW + jax.lax.dot_general(dz_in, x_CD, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+        else:
+            dW = dW + jax.lax.dot_general(x_CD, dz_in, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+        return (dW, db + dz_CV.sum(0)), dx_CD.astype(x_CD.dtype)
+
+    # Padding rows get lse = inf, so their p = exp(s - inf) = 0 and they add nothing.
+    per_row = ((x_ND, 0), (lse_N, jnp.inf), (p_coef, 0), (t_coef, 0), (s_coef, 0), (rows.safe_y, 0))
+    xs = tuple(_chunks(a, n_rows, cfg.chunk_rows, fill) for a, fill in per_row)
+    init = (jnp.zeros(W.shape, dtype), jnp.zeros((vocab,), dtype))
+    (dW, db), dx = jax.lax.scan(chunk, init, xs)
+    dx_ND = dx.reshape(-1, x_ND.shape[1])[:n_rows]
+    return (dx_ND, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype), None, None)
+
+
+chunked_linear_cross_entropy.defvjp(_fwd, _bwd)

@@ -1,0 +1,91 @@
+"""`linear_cross_entropy` for JAX: checks the call, then runs the best path available."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from interop.options import CrossEntropyOptions, check_inputs, target_out_of_range_message
+from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy, default_chunk_rows
+
+
+def _dtype_name(a) -> str:
+    return jnp.dtype(a.dtype).name
+
+
+def _check_target_range(y_N, vocab: int, ignore_index: int) -> None:
+    """Raise ValueError for a target outside [0, V) that is not ignore_index.
+
+    Only for concrete arrays: under jit the target is a tracer, raising is impossible, and
+    such rows get a NaN loss instead (interop/SPEC.md).
+    """
+    if isinstance(y_N, jax.core.Tracer):
+        return
+    y = np.asarray(y_N)
+    bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
+    if bad.any():
+        raise ValueError(target_out_of_range_message(int(y[bad][0]), vocab, ignore_index))
+
+
+def linear_cross_entropy(
+    input,
+    linear_weight,
+    target,
+    *,
+    linear_bias=None,
+    weight=None,
+    reduction: str = "mean",
+    ignore_index: int | None = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    weight_layout: str = "VD",
+):
+    """Cross-entropy of ``input @ W.T + linear_bias`` without the N x V logits.
+
+    The same options, defaults and semantics as `torch_impl.linear_cross_entropy`
+    (interop/SPEC.md). Differentiable with `jax.grad` / `jax.value_and_grad` (a
+    `jax.custom_vjp`), usable under `jax.jit`.
+
+    Args:
+        input: [..., D] bf16/fp16/fp32(/fp64 with x64) hidden states.
+        linear_weight: [V, D] (``weight_layout="VD"``: tied embeddings, ``nnx.Embed``) or
+            [D, V] (``"DV"``: the kernel of Flax ``nnx.Linear``, used as is, never
+            transposed into a copy); the input's dtype.
+        target: [...] integer class indices (or ``ignore_index``).
+        linear_bias: optional [V], the input's dtype.
+        weight: optional [V] class weights.
+        reduction, ignore_index, label_smoothing, z_loss, softcap: see interop/SPEC.md.
+        return_lse: also return the per-row logsumexp [...] (differentiable).
+
+    Returns:
+        The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
+        with ``return_lse``, the tuple (loss, lse [...]).
+    """
+    opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
+    input, linear_weight, target = jnp.asarray(input), jnp.asarray(linear_weight), jnp.asarray(target)
+    shape = check_inputs(
+        input_shape=input.shape,
+        input_dtype=_dtype_name(input),
+        weight_shape=linear_weight.shape,
+        weight_dtype=_dtype_name(linear_weight),
+        target_shape=target.shape,
+        target_dtype=_dtype_name(target),
+        bias_shape=None if linear_bias is None else jnp.shape(linear_bias),
+        bias_dtype=None if linear_bias is None else _dtype_name(jnp.asarray(linear_bias)),
+        class_weight_shape=None if weight is None else jnp.shape(weight),
+        class_weight_dtype=None if weight is None else _dtype_name(jnp.asarray(weight)),
+        weight_layout=weight_layout,
+    )
+    x_ND = input.reshape(shape.n_rows, shape.hidden)
+    y_N = target.reshape(shape.n_rows)
+    _check_target_range(y_N, shape.vocab, opts.ignore_index)
+    cfg = ChunkedConfig(opts, weight_layout, default_chunk_rows(shape.n_rows, shape.vocab))
+    loss, lse_N = chunked_linear_cross_entropy(x_ND, linear_weight, linear_bias, weight, y_N, cfg)
+    if opts.reduction == "none":
+        loss = loss.reshape(shape.lead_shape)
+    if return_lse:
+        return loss, lse_N.reshape(shape.lead_shape)
+    return loss

@@ -1,0 +1,48 @@
+"""`LinearCrossEntropyLoss`: the nn.Module form of `torch_impl.linear_cross_entropy`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from interop.options import CrossEntropyOptions
+from torch_impl.functional import linear_cross_entropy
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Holds the options (and class weights) like ``nn.CrossEntropyLoss``.
+
+    ``forward(input [..., D], linear_weight [V, D] or [D, V], target [...], linear_bias=None)``
+    returns what `torch_impl.linear_cross_entropy` returns with these options.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        *,
+        reduction: str = "mean",
+        ignore_index: int | None = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        return_lse: bool = False,
+        weight_layout: str = "VD",
+    ):
+        super().__init__()
+        self.options = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
+        self.register_buffer("weight", weight)
+        self.return_lse = return_lse
+        self.weight_layout = weight_layout
+
+    def forward(self, input, linear_weight, target, linear_bias=None):
+        o = self.options
+        return linear_cross_entropy(
+            input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
+            reduction=o.reduction, ignore_index=o.ignore_index, label_smoothing=o.label_smoothing,
+            z_loss=o.z_loss, softcap=o.softcap, return_lse=self.return_lse, weight_layout=self.weight_layout,
+        )
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (f"reduction={o.reduction!r}, ignore_index={o.ignore_index}, label_smoothing={o.label_smoothing}, "
+                f"z_loss={o.z_loss}, softcap={o.softcap}, return_lse={self.return_lse}, weight_layout={self.weight_layout!r}")
