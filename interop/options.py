@@ -138,6 +138,20 @@ def check_inputs(
     return ProblemShape(lead_shape=lead_shape, n_rows=math.prod(lead_shape), hidden=hidden, vocab=vocab)
 
 
+MIN_CHUNK_ROWS = 64
+
+
+def default_chunk_rows(n_rows: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk of the chunked paths: a chunk's logits about as large as the input.
+
+    ceil(N * D / V) rows (so the C x V block holds about N x D values: the extra memory
+    stays of the order of the hidden states), at least MIN_CHUNK_ROWS for matrix-product
+    efficiency, at most N.
+    """
+    rows = -(-n_rows * hidden // max(vocab, 1))
+    return max(1, min(n_rows, max(MIN_CHUNK_ROWS, rows)))
+
+
 def target_out_of_range_message(bad_target: int, vocab: int, ignore_index: int) -> str:
     """The error raised, in eager calls, for a target outside [0, V) that is not ignore_index."""
     return (

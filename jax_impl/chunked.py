@@ -17,14 +17,6 @@ import jax.numpy as jnp
 
 from interop.options import CrossEntropyOptions
 
-CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MiB in fp32)
-
-
-def default_chunk_rows(n_rows: int, vocab: int) -> int:
-    """Rows per chunk so that one chunk holds about CHUNK_ELEMENTS logits."""
-    return max(1, min(n_rows, CHUNK_ELEMENTS // max(vocab, 1)))
-
-
 @dataclasses.dataclass(frozen=True)
 class ChunkedConfig:
     """Static configuration of one call (hashable: it is a nondiff argument)."""

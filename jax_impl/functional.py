@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from interop.options import CrossEntropyOptions, check_inputs, target_out_of_range_message
-from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy, default_chunk_rows
+from interop.options import CrossEntropyOptions, check_inputs, default_chunk_rows, target_out_of_range_message
+from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy
 
 
 def _dtype_name(a) -> str:
@@ -82,7 +82,7 @@ def linear_cross_entropy(
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     y_N = target.reshape(shape.n_rows)
     _check_target_range(y_N, shape.vocab, opts.ignore_index)
-    cfg = ChunkedConfig(opts, weight_layout, default_chunk_rows(shape.n_rows, shape.vocab))
+    cfg = ChunkedConfig(opts, weight_layout, default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab))
     loss, lse_N = chunked_linear_cross_entropy(x_ND, linear_weight, linear_bias, weight, y_N, cfg)
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)

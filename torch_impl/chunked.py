@@ -11,14 +11,6 @@ import torch
 
 from interop.options import CrossEntropyOptions
 
-CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MiB in fp32)
-
-
-def default_chunk_rows(n_rows: int, vocab: int) -> int:
-    """Rows per chunk so that one chunk holds about CHUNK_ELEMENTS logits."""
-    return max(1, min(n_rows, CHUNK_ELEMENTS // max(vocab, 1)))
-
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for 16- and 32-bit inputs, fp64 for fp64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

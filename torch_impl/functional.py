@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from interop.options import CrossEntropyOptions, check_inputs, target_out_of_range_message
-from torch_impl.chunked import ChunkedLinearCrossEntropy, default_chunk_rows
+from interop.options import CrossEntropyOptions, check_inputs, default_chunk_rows, target_out_of_range_message
+from torch_impl.chunked import ChunkedLinearCrossEntropy
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -83,7 +83,7 @@ def linear_cross_entropy(
         _check_target_range(y_N, shape.vocab, opts.ignore_index)
     loss, lse_N = ChunkedLinearCrossEntropy.apply(
         x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout,
-        default_chunk_rows(shape.n_rows, shape.vocab),
+        default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab),
     )
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)

@@ -1,0 +1,215 @@
+"""Test inputs, dtype tolerances, and one adapter per framework, so each test runs on both.
+
+`Problem` holds numpy arrays already rounded to the test dtype, so the float64 reference
+sees exactly the values the implementation sees. An adapter runs its framework's
+`linear_cross_entropy` on a Problem and returns loss, lse and gradients as float64 numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from interop.reference import linear_cross_entropy_reference
+
+DTYPES = ("bfloat16", "float16", "float32")
+_NUMPY_DTYPE = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+
+def tolerance(dtype: str) -> float:
+    """Bound on ||got - ref|| / ||ref|| for outputs of a `dtype` computation.
+
+    Two machine epsilons for 16-bit inputs (their logits and gradients are rounded once to
+    the input dtype); 128 for fp32, whose error grows with the sums over D and V.
+    """
+    eps = float(ml_dtypes.finfo(_NUMPY_DTYPE[dtype]).eps)
+    return {"float32": 128 * eps, "float64": 1e6 * eps}.get(dtype, 2 * eps)
+
+
+def rel_err(got, ref) -> float:
+    """||got - ref|| / ||ref|| in float64 (NaN if either holds NaN where the other doesn't)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if got.shape != ref.shape:
+        raise AssertionError(f"shape {got.shape} != reference shape {ref.shape}")
+    if not np.array_equal(np.isnan(got), np.isnan(ref)):
+        return float("nan")
+    got, ref = np.nan_to_num(got), np.nan_to_num(ref)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@dataclasses.dataclass
+class Problem:
+    """One call's inputs as numpy arrays holding values exact in `dtype`."""
+
+    x: np.ndarray  # [..., D]
+    W: np.ndarray  # [V, D] or [D, V]
+    y: np.ndarray  # [...] int64
+    b: np.ndarray | None
+    cw: np.ndarray | None
+    dtype: str
+    weight_layout: str = "VD"
+
+    @property
+    def vocab(self) -> int:
+        return self.W.shape[0] if self.weight_layout == "VD" else self.W.shape[1]
+
+
+def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Round to `dtype` and back to float32 (float64 for float64)."""
+    out = np.float64 if dtype == "float64" else np.float32
+    return np.asarray(a).astype(_NUMPY_DTYPE[dtype]).astype(out)
+
+
+def make_problem(
+    seed: int,
+    lead=(13,),
+    hidden: int = 19,
+    vocab: int = 53,
+    dtype: str = "float32",
+    *,
+    bias: bool = False,
+    class_weights: bool = False,
+    weight_layout: str = "VD",
+    ignore_frac: float = 0.2,
+    ignore_index: int = -100,
+    logit_scale: float = 1.0,
+) -> Problem:
+    """Random inputs with logits of standard deviation about `logit_scale`."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(tuple(lead) + (hidden,)) * logit_scale
+    W = rng.standard_normal((vocab, hidden)) / np.sqrt(hidden)
+    y = rng.integers(0, vocab, size=tuple(lead))
+    y[rng.random(tuple(lead)) < ignore_frac] = ignore_index
+    b = rng.standard_normal(vocab) * 0.5 if bias else None
+    cw = rng.uniform(0.2, 2.0, vocab) if class_weights else None
+    return Problem(
+        x=round_to(x, dtype),
+        W=round_to(W if weight_layout == "VD" else W.T, dtype),
+        y=y,
+        b=None if b is None else round_to(b, dtype),
+        cw=None if cw is None else cw.astype(np.float32),
+        dtype=dtype,
+        weight_layout=weight_layout,
+    )
+
+
+def upstream_grads(seed: int, problem: Problem, reduction: str, with_lse: bool):
+    """Random upstream gradients: (grad_output scalar or [...], grad_lse [...] or None)."""
+    rng = np.random.default_rng(seed + 1000)
+    lead = problem.y.shape
+    g_out = rng.standard_normal(lead) if reduction == "none" else np.asarray(rng.uniform(0.5, 2.0))
+    g_lse = rng.standard_normal(lead) if with_lse else None
+    return g_out, g_lse
+
+
+def reference(problem: Problem, options: dict, grad_output, grad_lse):
+    return linear_cross_entropy_reference(
+        problem.x, problem.W, problem.y, linear_bias=problem.b, weight=problem.cw,
+        weight_layout=problem.weight_layout, grad_output=grad_output, grad_lse=grad_lse, **options,
+    )
+
+
+class TorchAdapter:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        import torch_impl
+
+        self.torch, self.impl = torch, torch_impl
+        self.dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+    def tensor(self, a, dtype: str | None = None, requires_grad: bool = False):
+        t = self.torch.as_tensor(np.array(a))
+        if dtype is not None:
+            t = t.to(self.dtypes[dtype])
+        return t.requires_grad_(requires_grad)
+
+    def call(self, x, W, y, **kwargs):
+        """The public call on numpy inputs (floating arrays kept in their numpy dtype)."""
+        conv = lambda a: None if a is None else self.tensor(a)
+        for k in ("linear_bias", "weight"):
+            kwargs[k] = conv(kwargs.get(k))
+        return self.impl.linear_cross_entropy(conv(x), conv(W), conv(y), **kwargs)
+
+    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int64"):
+        tensors = {
+            "x": self.tensor(p.x, p.dtype, "x" in wrt),
+            "W": self.tensor(p.W, p.dtype, "W" in wrt),
+            "b": None if p.b is None else self.tensor(p.b, p.dtype, "b" in wrt),
+        }
+        cw = None if p.cw is None else self.tensor(p.cw)
+        y = self.tensor(p.y.astype(target_dtype))
+        loss, lse = self.impl.linear_cross_entropy(
+            tensors["x"], tensors["W"], y, linear_bias=tensors["b"], weight=cw,
+            weight_layout=p.weight_layout, return_lse=True, **options,
+        )
+        outs, grads_in = [loss], [self.tensor(grad_output, "float32").to(loss.dtype)]
+        if grad_lse is not None:
+            outs.append(lse)
+            grads_in.append(self.tensor(grad_lse, "float32").to(lse.dtype))
+        need = [k for k in ("x", "W", "b") if tensors[k] is not None and tensors[k].requires_grad]
+        grads = self.torch.autograd.grad(outs, [tensors[k] for k in need], grads_in)
+        result = {"loss": loss, "lse": lse}
+        result.update({f"grad_{k}": g for k, g in zip(need, grads)})
+        for k, g in zip(need, grads):
+            assert g.dtype == tensors[k].dtype, f"grad_{k} has dtype {g.dtype}, input {tensors[k].dtype}"
+        return {k: v.detach().double().numpy() for k, v in result.items()}
+
+
+class JaxAdapter:
+    name = "jax"
+
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+
+        import jax_impl
+
+        self.jax, self.jnp, self.impl = jax, jnp, jax_impl
+
+    def array(self, a, dtype: str | None = None):
+        return self.jnp.asarray(a, dtype=None if dtype is None else _NUMPY_DTYPE[dtype])
+
+    def call(self, x, W, y, **kwargs):
+        """The public call on numpy inputs (floating arrays kept in their numpy dtype)."""
+        for k in ("linear_bias", "weight"):
+            if kwargs.get(k) is not None:
+                kwargs[k] = self.jnp.asarray(kwargs[k])
+        return self.impl.linear_cross_entropy(self.jnp.asarray(x), self.jnp.asarray(W), self.jnp.asarray(y), **kwargs)
+
+    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int32", jit=True):
+        jnp = self.jnp
+        arrays = {"x": self.array(p.x, p.dtype), "W": self.array(p.W, p.dtype),
+                  "b": None if p.b is None else self.array(p.b, p.dtype)}
+        need = [k for k in wrt if arrays[k] is not None]
+        fixed = {k: v for k, v in arrays.items() if k not in need}
+        cw = None if p.cw is None else jnp.asarray(p.cw)
+        y = jnp.asarray(p.y.astype(target_dtype))
+
+        def loss_and_vjp(diff, y, g_out, g_lse):
+            def f(diff):
+                a = {**fixed, **diff}
+                return self.impl.linear_cross_entropy(
+                    a["x"], a["W"], y, linear_bias=a["b"], weight=cw, weight_layout=p.weight_layout,
+                    return_lse=True, **options,
+                )
+
+            (loss, lse), vjp = self.jax.vjp(f, diff)
+            (grads,) = vjp((g_out.astype(loss.dtype), g_lse.astype(lse.dtype)))
+            return loss, lse, grads
+
+        run = self.jax.jit(loss_and_vjp) if jit else loss_and_vjp
+        g_lse = np.zeros(p.y.shape) if grad_lse is None else grad_lse
+        loss, lse, grads = run({k: arrays[k] for k in need}, y, jnp.asarray(grad_output, jnp.float32), jnp.asarray(g_lse, jnp.float32))
+        for k in need:
+            assert grads[k].dtype == arrays[k].dtype, f"grad_{k} has dtype {grads[k].dtype}, input {arrays[k].dtype}"
+        result = {"loss": loss, "lse": lse, **{f"grad_{k}": g for k, g in grads.items()}}
+        return {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in result.items()}
+
+
+def adapters():
+    return [TorchAdapter(), JaxAdapter()]

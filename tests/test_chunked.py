@@ -1,0 +1,135 @@
+"""The chunked (pure-framework) paths of both frameworks against the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.frameworks import DTYPES, JaxAdapter, TorchAdapter, make_problem, reference, rel_err, tolerance, upstream_grads
+
+FRAMEWORKS = {"torch": TorchAdapter(), "jax": JaxAdapter()}
+
+# (options, problem keyword arguments, whether the lse output gets a gradient)
+CASES = {
+    "mean": (dict(), dict(), False),
+    "sum-bias": (dict(reduction="sum"), dict(bias=True), False),
+    "none-classweights": (dict(reduction="none"), dict(class_weights=True), False),
+    "smoothing-classweights": (dict(label_smoothing=0.1), dict(class_weights=True), False),
+    "zloss-softcap-bias": (dict(z_loss=1e-2, softcap=4.0), dict(bias=True, logit_scale=3.0), False),
+    "everything-none-lse": (
+        dict(reduction="none", label_smoothing=0.2, z_loss=1e-3, softcap=4.0),
+        dict(bias=True, class_weights=True, logit_scale=3.0), True,
+    ),
+    "custom-ignore-index": (dict(ignore_index=3), dict(ignore_index=3, class_weights=True), False),
+    "3d-lse-sum": (dict(reduction="sum", label_smoothing=0.05), dict(lead=(2, 7)), True),
+}
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Chunks of ceil(N * D / V) rows: 5 for most problems here (one chunk by default)."""
+    import interop.options
+
+    monkeypatch.setattr(interop.options, "MIN_CHUNK_ROWS", 1)
+
+
+def check_against_reference(result, ref, dtype, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):
+    ref_of = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
+    tol = tolerance(dtype)
+    for key in keys:
+        if key not in result:
+            continue
+        err = rel_err(result[key], ref_of[key])
+        assert err <= tol, f"{key}: relative error {err:.3g} > {tol:.3g} ({dtype})"
+
+
+@pytest.mark.parametrize("layout", ["VD", "DV"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
+def test_matches_reference(fw, case, dtype, layout):
+    options, problem_kwargs, with_lse = CASES[case]
+    seed = hash((case, dtype, layout)) % 2**31
+    p = make_problem(seed, dtype=dtype, weight_layout=layout, **problem_kwargs)
+    g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+    result = FRAMEWORKS[fw].run(p, options, g_out, g_lse)
+    check_against_reference(result, reference(p, options, g_out, g_lse), dtype)
+    assert {"grad_x", "grad_W"} <= result.keys() and ("grad_b" in result) == (p.b is not None)
+
+
+@pytest.mark.parametrize("wrt", [("x",), ("W",), ("b",), ("x", "b")])
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
+def test_only_some_inputs_require_grad(fw, wrt):
+    p = make_problem(7, bias=True, class_weights=True)
+    options = dict(label_smoothing=0.1)
+    g_out, _ = upstream_grads(7, p, "mean", False)
+    result = FRAMEWORKS[fw].run(p, options, g_out, None, wrt=wrt)
+    assert {k for k in result if k.startswith("grad_")} == {f"grad_{k}" for k in wrt}
+    check_against_reference(result, reference(p, options, g_out, None), "float32")
+
+
+@pytest.mark.parametrize("target_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
+def test_integer_target_dtypes(fw, target_dtype):
+    """int64 labels reach JAX as int32 when x64 is off (its canonicalisation); both must work."""
+    p = make_problem(11, vocab=53, dtype="bfloat16")
+    g_out, _ = upstream_grads(11, p, "mean", False)
+    result = FRAMEWORKS[fw].run(p, {}, g_out, None, target_dtype=target_dtype)
+    check_against_reference(result, reference(p, {}, g_out, None), "bfloat16")
+
+
+def test_jax_without_jit_matches_reference():
+    p = make_problem(5, lead=(3, 4), bias=True)
+    options = dict(reduction="none", z_loss=1e-2)
+    g_out, g_lse = upstream_grads(5, p, "none", True)
+    result = FRAMEWORKS["jax"].run(p, options, g_out, g_lse, jit=False)
+    check_against_reference(result, reference(p, options, g_out, g_lse), "float32")
+
+
+def test_torch_non_contiguous_inputs():
+    import torch
+
+    import torch_impl
+
+    p = make_problem(3, lead=(6, 5), hidden=19, vocab=53, bias=True)
+    x_big = torch.from_numpy(np.repeat(p.x, 2, axis=-1)).requires_grad_()  # [6, 5, 38]
+    x = x_big[..., ::2]  # non-contiguous [6, 5, 19]
+    W_DV = torch.from_numpy(p.W.T.copy()).requires_grad_()
+    W = W_DV.T  # non-contiguous [V, D] view
+    y = torch.from_numpy(np.stack([p.y, p.y], -1))[..., 0]  # non-contiguous targets
+    b = torch.from_numpy(p.b).requires_grad_()
+    assert not (x.is_contiguous() or W.is_contiguous() or y.is_contiguous())
+    loss = torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, label_smoothing=0.1)
+    loss.backward()
+    ref = reference(p, dict(label_smoothing=0.1), 1.0, None)
+    tol = tolerance("float32")
+    assert rel_err(loss.detach().numpy(), ref.loss) <= tol
+    assert rel_err(x_big.grad[..., ::2].numpy(), ref.grad_input) <= tol
+    assert np.all(x_big.grad[..., 1::2].numpy() == 0)
+    assert rel_err(W_DV.grad.T.numpy(), ref.grad_weight) <= tol
+    assert rel_err(b.grad.numpy(), ref.grad_bias) <= tol
+
+
+def test_torch_module_matches_function():
+    import torch
+
+    import torch_impl
+
+    p = make_problem(4, class_weights=True)
+    x, W, y = torch.from_numpy(p.x), torch.from_numpy(p.W), torch.from_numpy(p.y)
+    cw = torch.from_numpy(p.cw)
+    module = torch_impl.LinearCrossEntropyLoss(cw, reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=3.0)
+    expected = torch_impl.linear_cross_entropy(x, W, y, weight=cw, reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=3.0)
+    assert torch.equal(module(x, W, y), expected)
+    ref = reference(p, dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=3.0), 1.0, None)
+    assert rel_err(module(x, W, y).numpy(), ref.loss) <= tolerance("float32")
+    assert "softcap=3.0" in repr(module)
+
+
+def test_chunk_rule_splits_these_problems(small_chunks):
+    """The cases above run over several chunks, the last one partial."""
+    from interop.options import default_chunk_rows
+
+    assert default_chunk_rows(13, 19, 53) == 5 and default_chunk_rows(14, 19, 53) == 6
+    assert default_chunk_rows(0, 19, 53) == 1
+

@@ -1,0 +1,135 @@
+"""Bad input, empty and all-ignored batches, NaN propagation, out-of-range targets: both frameworks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.frameworks import JaxAdapter, TorchAdapter, make_problem, reference, rel_err, tolerance
+
+FRAMEWORKS = {"torch": TorchAdapter(), "jax": JaxAdapter()}
+
+x_ND = np.zeros((4, 8), np.float32) + 0.5
+W_VD = np.ones((10, 8), np.float32)
+y_N = np.array([1, 2, -100, 9])
+
+# (arguments changed from a valid call, exception type, words the message must contain)
+BAD_CALLS = {
+    "hidden-size-mismatch": (dict(W=np.ones((10, 9), np.float32)), ValueError, ["input", "(4, 8)", "(10, 9)"]),
+    "weight-rank": (dict(W=np.ones((10, 8, 1), np.float32)), ValueError, ["linear_weight", "(10, 8, 1)"]),
+    "input-scalar": (dict(x=np.float32(1.0)), ValueError, ["input", "()"]),
+    "target-shape": (dict(y=np.array([1, 2, 3])), ValueError, ["target", "(4,)", "(3,)"]),
+    "floating-target": (dict(y=np.array([1.0, 2.0, 3.0, 4.0], np.float32)), ValueError, ["target", "float32"]),
+    "dtype-mismatch": (dict(W=np.ones((10, 8), np.float16)), TypeError, ["input", "float32", "linear_weight", "float16"]),
+    "integer-input": (dict(x=np.ones((4, 8), np.int32), W=np.ones((10, 8), np.int32)), TypeError, ["input", "int32"]),
+    "bias-shape": (dict(linear_bias=np.ones(9, np.float32)), ValueError, ["linear_bias", "(10,)", "(9,)"]),
+    "bias-dtype": (dict(linear_bias=np.ones(10, np.float16)), TypeError, ["linear_bias", "float16"]),
+    "class-weight-shape": (dict(weight=np.ones(11, np.float32)), ValueError, ["weight", "(10,)", "(11,)"]),
+    "reduction": (dict(reduction="avg"), ValueError, ["reduction", "avg"]),
+    "label-smoothing-high": (dict(label_smoothing=1.5), ValueError, ["label_smoothing", "1.5"]),
+    "label-smoothing-negative": (dict(label_smoothing=-0.1), ValueError, ["label_smoothing", "-0.1"]),
+    "softcap-zero": (dict(softcap=0.0), ValueError, ["softcap", "0.0"]),
+    "softcap-negative": (dict(softcap=-3.0), ValueError, ["softcap", "-3.0"]),
+    "z-loss-negative": (dict(z_loss=-1e-4), ValueError, ["z_loss"]),
+    "weight-layout": (dict(weight_layout="NV"), ValueError, ["weight_layout", "NV"]),
+    "target-out-of-range": (dict(y=np.array([1, 10, -100, 0])), ValueError, ["target", "10", "[0, 10)"]),
+    "target-negative": (dict(y=np.array([1, -1, -100, 0])), ValueError, ["target", "-1", "ignore_index=-100"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
+def test_bad_input_raises_clear_error(fw, case):
+    changes, exc, words = BAD_CALLS[case]
+    args = {"x": x_ND, "W": W_VD, "y": y_N, **changes}
+    x, W, y = args.pop("x"), args.pop("W"), args.pop("y")
+    with pytest.raises(exc) as info:
+        FRAMEWORKS[fw].call(x, W, y, **args)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in message: {info.value}"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
+def test_empty_batch_behaves_like_torch_cross_entropy(fw, reduction):
+    import torch
+
+    p = make_problem(1, lead=(0,), bias=True)
+    g_out = np.zeros((0,)) if reduction == "none" else np.asarray(1.0)
+    result = FRAMEWORKS[fw].run(p, dict(reduction=reduction), g_out, None)
+    expected = torch.nn.functional.cross_entropy(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), reduction=reduction)
+    np.testing.assert_array_equal(result["loss"], expected.double().numpy())
+    assert result["grad_x"].shape == (0, 19) and result["lse"].shape == (0,)
+    assert np.all(result["grad_W"] == 0) and np.all(result["grad_b"] == 0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
+def test_all_ignored_batch_behaves_like_torch_cross_entropy(fw, reduction):
+    import torch
+
+    p = make_problem(2, ignore_frac=1.0, class_weights=True)
+    g_out = np.ones(p.y.shape) if reduction == "none" else np.asarray(1.0)
+    result = FRAMEWORKS[fw].run(p, dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-2), g_out, None)
+    logits = torch.from_numpy(p.x @ p.W.T).double().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(logits, torch.from_numpy(p.y), weight=torch.from_numpy(p.cw).double(),
+                                                 reduction=reduction, label_smoothing=0.1)
+    expected.backward(torch.from_numpy(g_out).double())
+    np.testing.assert_array_equal(result["loss"], expected.detach().numpy())
+    assert np.all(logits.grad.numpy() == 0)
+    for key in ("grad_x", "grad_W"):
+        assert np.all(result[key] == 0), key
+    assert np.all(np.isfinite(result["lse"]))
+
+
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
+def test_nan_input_propagates_to_valid_rows_only(fw):
+    p = make_problem(3, ignore_frac=0.0)
+    p.x[2, 5] = np.nan  # a valid row
+    p.x[4, 0] = np.inf  # a row we then ignore
+    p.y[4] = -100
+    g_out = np.ones(p.y.shape)
+    result = FRAMEWORKS[fw].run(p, dict(reduction="none"), g_out, None)
+    loss = result["loss"]
+    assert np.isnan(loss[2]) and loss[4] == 0
+    assert np.all(np.isfinite(np.delete(loss, [2, 4])))
+    summed = FRAMEWORKS[fw].run(p, dict(reduction="mean"), np.asarray(1.0), None)
+    assert np.isnan(summed["loss"]), "NaN in a valid row must reach the reduced loss"
+
+
+def _out_of_range_problem():
+    p = make_problem(4, ignore_frac=0.0, bias=True)
+    p.y[3] = p.vocab  # just past the end
+    p.y[6] = -7  # negative, not ignore_index
+    return p
+
+
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
+def test_out_of_range_target_is_nan_when_traced(fw):
+    """Under jit / torch.compile raising is impossible: those rows' losses and gradients are NaN."""
+    p = _out_of_range_problem()
+    g_out = np.ones(p.y.shape)
+    if fw == "jax":
+        result = FRAMEWORKS["jax"].run(p, dict(reduction="none"), g_out, None, jit=True)
+    else:
+        result = _torch_compiled_run(p, g_out)
+    ref = reference(p, dict(reduction="none"), g_out, None)
+    bad = [3, 6]
+    assert np.all(np.isnan(result["loss"][bad])) and np.all(np.isnan(ref.loss[bad]))
+    good = np.setdiff1d(np.arange(len(p.y)), bad)
+    assert rel_err(result["loss"][good], ref.loss[good]) <= tolerance("float32")
+    assert np.all(np.isnan(result["grad_x"][bad])) and rel_err(result["grad_x"][good], ref.grad_input[good]) <= tolerance("float32")
+
+
+def _torch_compiled_run(p, g_out):
+    import torch
+
+    import torch_impl
+
+    x = torch.from_numpy(p.x).requires_grad_()
+    W, b, y = torch.from_numpy(p.W), torch.from_numpy(p.b), torch.from_numpy(p.y)
+    fn = torch.compile(lambda x, W, y, b: torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, reduction="none"),
+                       backend="eager", fullgraph=False)
+    loss = fn(x, W, y, b)
+    loss.backward(torch.from_numpy(g_out).float())
+    return {"loss": loss.detach().double().numpy(), "grad_x": x.grad.double().numpy()}
