@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 REDUCTIONS = ("none", "sum", "mean")
+STRATEGIES = ("auto", "speed", "memory", "chunked")
 WEIGHT_LAYOUTS = ("VD", "DV")
 DEFAULT_IGNORE_INDEX = -100
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -136,6 +137,21 @@ def check_inputs(
         if class_weight_dtype not in FLOAT_DTYPES:
             raise TypeError(f"weight (class weights) must have a floating dtype, got {class_weight_dtype}")
     return ProblemShape(lead_shape=lead_shape, n_rows=math.prod(lead_shape), hidden=hidden, vocab=vocab)
+
+
+def check_strategy(strategy: str) -> str:
+    """How the loss is computed (same meaning in both frameworks):
+
+    "auto": the kernels where they run (CUDA), choosing "speed" unless its extra memory
+        would not fit comfortably, else "chunked";
+    "speed": kernels, fewest flops (gradients in the forward pass where possible);
+    "memory": kernels, least memory (logits recomputed in the backward pass);
+    "chunked": the pure-framework path (also what "speed" and "memory" fall back to
+        where the kernels can't run, e.g. on a CPU).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
 
 
 MIN_CHUNK_ROWS = 64

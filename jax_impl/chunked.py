@@ -24,6 +24,7 @@ class ChunkedConfig:
     options: CrossEntropyOptions
     weight_layout: str
     chunk_rows: int
+    accumulate_in_input_dtype: bool = False
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -154,15 +155,16 @@ def _bwd(cfg: ChunkedConfig, res, cotangents):
         dz_in = dz_CV.astype(x_CD.dtype)
         dx_CD = jax.lax.dot_general(dz_in, W, (((1,), (contract_w,)), ((), ())), preferred_element_type=dtype)
         if cfg.weight_layout == "VD":
-            dW = dW + jax.lax.dot_general(dz_in, x_CD, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+            dW_C = jax.lax.dot_general(dz_in, x_CD, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
         else:
-            dW = dW + jax.lax.dot_general(x_CD, dz_in, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+            dW_C = jax.lax.dot_general(x_CD, dz_in, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+        dW = dW + dW_C.astype(dW.dtype)
         return (dW, db + dz_CV.sum(0)), dx_CD.astype(x_CD.dtype)
 
     # Padding rows get lse = inf, so their p = exp(s - inf) = 0 and they add nothing.
     per_row = ((x_ND, 0), (lse_N, jnp.inf), (p_coef, 0), (t_coef, 0), (s_coef, 0), (rows.safe_y, 0))
     xs = tuple(_chunks(a, n_rows, cfg.chunk_rows, fill) for a, fill in per_row)
-    init = (jnp.zeros(W.shape, dtype), jnp.zeros((vocab,), dtype))
+    init = (jnp.zeros(W.shape, W.dtype if cfg.accumulate_in_input_dtype else dtype), jnp.zeros((vocab,), dtype))
     (dW, db), dx = jax.lax.scan(chunk, init, xs)
     dx_ND = dx.reshape(-1, x_ND.shape[1])[:n_rows]
     return (dx_ND, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype), None, None)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from interop.options import CrossEntropyOptions, check_inputs, default_chunk_rows, target_out_of_range_message
+from interop.options import CrossEntropyOptions, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
 from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy
 
 
@@ -42,6 +42,8 @@ def linear_cross_entropy(
     softcap: float | None = None,
     return_lse: bool = False,
     weight_layout: str = "VD",
+    strategy: str = "auto",
+    accumulate_in_input_dtype: bool = False,
 ):
     """Cross-entropy of ``input @ W.T + linear_bias`` without the N x V logits.
 
@@ -59,12 +61,16 @@ def linear_cross_entropy(
         weight: optional [V] class weights.
         reduction, ignore_index, label_smoothing, z_loss, softcap: see interop/SPEC.md.
         return_lse: also return the per-row logsumexp [...] (differentiable).
+        strategy: "auto", "speed", "memory" or "chunked" (interop.options.check_strategy);
+            every strategy runs the chunked XLA path until the Pallas kernels land.
+        accumulate_in_input_dtype: accumulate grad_weight in the input dtype rather than fp32.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
         with ``return_lse``, the tuple (loss, lse [...]).
     """
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
+    check_strategy(strategy)
     input, linear_weight, target = jnp.asarray(input), jnp.asarray(linear_weight), jnp.asarray(target)
     shape = check_inputs(
         input_shape=input.shape,
@@ -82,7 +88,9 @@ def linear_cross_entropy(
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     y_N = target.reshape(shape.n_rows)
     _check_target_range(y_N, shape.vocab, opts.ignore_index)
-    cfg = ChunkedConfig(opts, weight_layout, default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab))
+    cfg = ChunkedConfig(
+        opts, weight_layout, default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype
+    )
     loss, lse_N = chunked_linear_cross_entropy(x_ND, linear_weight, linear_bias, weight, y_N, cfg)
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)

@@ -112,18 +112,19 @@ def reference(problem: Problem, options: dict, grad_output, grad_lse):
 
 
 class TorchAdapter:
-    name = "torch"
+    """`torch_impl.linear_cross_entropy` with a given strategy, on a given device."""
 
-    def __init__(self):
+    def __init__(self, strategy: str = "auto", device: str = "cpu"):
         import torch
 
         import torch_impl
 
         self.torch, self.impl = torch, torch_impl
+        self.name, self.strategy, self.device = f"torch-{strategy}", strategy, device
         self.dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
     def tensor(self, a, dtype: str | None = None, requires_grad: bool = False):
-        t = self.torch.as_tensor(np.array(a))
+        t = self.torch.as_tensor(np.array(a)).to(self.device)
         if dtype is not None:
             t = t.to(self.dtypes[dtype])
         return t.requires_grad_(requires_grad)
@@ -133,9 +134,14 @@ class TorchAdapter:
         conv = lambda a: None if a is None else self.tensor(a)
         for k in ("linear_bias", "weight"):
             kwargs[k] = conv(kwargs.get(k))
-        return self.impl.linear_cross_entropy(conv(x), conv(W), conv(y), **kwargs)
+        return self.impl.linear_cross_entropy(conv(x), conv(W), conv(y), strategy=self.strategy, **kwargs)
 
-    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int64"):
+    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int64", return_lse=None):
+        """Loss, lse (when returned) and the gradients wrt `wrt`, as float64 numpy arrays.
+
+        return_lse defaults to whether grad_lse is given (a returned lse stops "speed" from
+        computing the gradients in the forward pass, so both paths get tested)."""
+        return_lse = grad_lse is not None if return_lse is None else return_lse
         tensors = {
             "x": self.tensor(p.x, p.dtype, "x" in wrt),
             "W": self.tensor(p.W, p.dtype, "W" in wrt),
@@ -143,33 +149,35 @@ class TorchAdapter:
         }
         cw = None if p.cw is None else self.tensor(p.cw)
         y = self.tensor(p.y.astype(target_dtype))
-        loss, lse = self.impl.linear_cross_entropy(
+        out = self.impl.linear_cross_entropy(
             tensors["x"], tensors["W"], y, linear_bias=tensors["b"], weight=cw,
-            weight_layout=p.weight_layout, return_lse=True, **options,
+            weight_layout=p.weight_layout, return_lse=return_lse, strategy=self.strategy, **options,
         )
+        loss, lse = out if return_lse else (out, None)
         outs, grads_in = [loss], [self.tensor(grad_output, "float32").to(loss.dtype)]
-        if grad_lse is not None:
+        if grad_lse is not None and lse is not None:
             outs.append(lse)
             grads_in.append(self.tensor(grad_lse, "float32").to(lse.dtype))
         need = [k for k in ("x", "W", "b") if tensors[k] is not None and tensors[k].requires_grad]
         grads = self.torch.autograd.grad(outs, [tensors[k] for k in need], grads_in)
-        result = {"loss": loss, "lse": lse}
+        result = {"loss": loss} if lse is None else {"loss": loss, "lse": lse}
         result.update({f"grad_{k}": g for k, g in zip(need, grads)})
         for k, g in zip(need, grads):
             assert g.dtype == tensors[k].dtype, f"grad_{k} has dtype {g.dtype}, input {tensors[k].dtype}"
-        return {k: v.detach().double().numpy() for k, v in result.items()}
+        return {k: v.detach().double().cpu().numpy() for k, v in result.items()}
 
 
 class JaxAdapter:
-    name = "jax"
+    """`jax_impl.linear_cross_entropy` with a given strategy."""
 
-    def __init__(self):
+    def __init__(self, strategy: str = "auto"):
         import jax
         import jax.numpy as jnp
 
         import jax_impl
 
         self.jax, self.jnp, self.impl = jax, jnp, jax_impl
+        self.name, self.strategy = f"jax-{strategy}", strategy
 
     def array(self, a, dtype: str | None = None):
         return self.jnp.asarray(a, dtype=None if dtype is None else _NUMPY_DTYPE[dtype])
@@ -179,9 +187,11 @@ class JaxAdapter:
         for k in ("linear_bias", "weight"):
             if kwargs.get(k) is not None:
                 kwargs[k] = self.jnp.asarray(kwargs[k])
-        return self.impl.linear_cross_entropy(self.jnp.asarray(x), self.jnp.asarray(W), self.jnp.asarray(y), **kwargs)
+        return self.impl.linear_cross_entropy(
+            self.jnp.asarray(x), self.jnp.asarray(W), self.jnp.asarray(y), strategy=self.strategy, **kwargs
+        )
 
-    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int32", jit=True):
+    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int32", jit=True, return_lse=True):
         jnp = self.jnp
         arrays = {"x": self.array(p.x, p.dtype), "W": self.array(p.W, p.dtype),
                   "b": None if p.b is None else self.array(p.b, p.dtype)}
@@ -195,7 +205,7 @@ class JaxAdapter:
                 a = {**fixed, **diff}
                 return self.impl.linear_cross_entropy(
                     a["x"], a["W"], y, linear_bias=a["b"], weight=cw, weight_layout=p.weight_layout,
-                    return_lse=True, **options,
+                    return_lse=True, strategy=self.strategy, **options,
                 )
 
             (loss, lse), vjp = self.jax.vjp(f, diff)
@@ -211,5 +221,7 @@ class JaxAdapter:
         return {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in result.items()}
 
 
-def adapters():
-    return [TorchAdapter(), JaxAdapter()]
+def cpu_implementations() -> dict:
+    """Every implementation that runs on this machine, by name (kernels in interpret mode)."""
+    adapters = (TorchAdapter("chunked"), TorchAdapter("speed"), TorchAdapter("memory"), JaxAdapter("chunked"))
+    return {a.name: a for a in adapters}

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from interop.options import CrossEntropyOptions, check_inputs, default_chunk_rows, target_out_of_range_message
+from interop.options import CrossEntropyOptions, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
 from torch_impl.chunked import ChunkedLinearCrossEntropy
+
+try:
+    from torch_impl import blocked
+    from torch_impl.function import KernelLinearCrossEntropy
+except ImportError:  # no Triton: the chunked path serves every call
+    blocked = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -24,6 +32,25 @@ def _check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> Non
         raise ValueError(target_out_of_range_message(int(y_N[bad][0]), vocab, ignore_index))
 
 
+def kernels_can_run(x: torch.Tensor) -> bool:
+    """Triton serves CUDA tensors, and CPU tensors under TRITON_INTERPRET=1; not fp64."""
+    if blocked is None or x.dtype == torch.float64:
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int) -> str:
+    """Resolve "auto" and route to "chunked" where the kernels can't run."""
+    if strategy == "chunked" or not kernels_can_run(x):
+        return "chunked"
+    if strategy != "auto":
+        return strategy
+    if not x.is_cuda:
+        return "chunked"
+    free, _ = torch.cuda.mem_get_info(x.device)
+    return "speed" if blocked.speed_plan_extra_bytes(n_rows, hidden, vocab, x.dtype) <= 0.25 * free else "memory"
+
+
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -38,6 +65,8 @@ def linear_cross_entropy(
     softcap: float | None = None,
     return_lse: bool = False,
     weight_layout: str = "VD",
+    strategy: str = "auto",
+    accumulate_in_input_dtype: bool = False,
 ):
     """Cross-entropy of ``input @ linear_weight.T + linear_bias`` without the N x V logits.
 
@@ -58,12 +87,17 @@ def linear_cross_entropy(
         z_loss: coefficient of lse**2 per valid row.
         softcap: c > 0 to use c * tanh(logits / c); None for none.
         return_lse: also return the per-row logsumexp [...] (differentiable).
+        weight_layout: "VD" or "DV", the layout of linear_weight.
+        strategy: "auto", "speed", "memory" or "chunked" (interop.options.check_strategy).
+        accumulate_in_input_dtype: accumulate grad_weight in the input dtype rather than
+            fp32 ("speed": saves V*D*4 bytes, costs accuracy).
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
         with ``return_lse``, the tuple (loss, lse [...]).
     """
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
+    check_strategy(strategy)
     shape = check_inputs(
         input_shape=tuple(input.shape),
         input_dtype=dtype_name(input.dtype),
@@ -81,10 +115,17 @@ def linear_cross_entropy(
     y_N = target.reshape(shape.n_rows)
     if not _is_traced():
         _check_target_range(y_N, shape.vocab, opts.ignore_index)
-    loss, lse_N = ChunkedLinearCrossEntropy.apply(
-        x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout,
-        default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab),
-    )
+    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab)
+    if strategy == "chunked":
+        loss, lse_N = ChunkedLinearCrossEntropy.apply(
+            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout,
+            default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype,
+        )
+    else:
+        plan = blocked.plan_blocks(strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype)
+        loss, lse_N = KernelLinearCrossEntropy.apply(
+            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse
+        )
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)
     if return_lse:

@@ -1,13 +1,17 @@
-"""The chunked (pure-framework) paths of both frameworks against the float64 reference."""
+"""Every implementation against the float64 reference, on the CPU.
+
+torch-chunked and jax-chunked are the pure-framework paths; torch-speed and torch-memory
+run the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.frameworks import DTYPES, JaxAdapter, TorchAdapter, make_problem, reference, rel_err, tolerance, upstream_grads
+from tests.frameworks import DTYPES, cpu_implementations, make_problem, reference, rel_err, tolerance, upstream_grads
 
-FRAMEWORKS = {"torch": TorchAdapter(), "jax": JaxAdapter()}
+IMPLEMENTATIONS = cpu_implementations()
 
 # (options, problem keyword arguments, whether the lse output gets a gradient)
 CASES = {
@@ -27,10 +31,17 @@ CASES = {
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """Chunks of ceil(N * D / V) rows: 5 for most problems here (one chunk by default)."""
+    """Several chunks / blocks at these small sizes (the defaults would use one).
+
+    chunked: ceil(N * D / V) rows, 5 for most problems here; speed: blocks of 4 whole rows;
+    memory: blocks of 4 rows x 8 to 12 columns.
+    """
     import interop.options
+    import torch_impl.blocked
 
     monkeypatch.setattr(interop.options, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(torch_impl.blocked, "MIN_BLOCK", 4)
+    monkeypatch.setattr(torch_impl.blocked, "SPEED_BLOCK_ELEMENTS", 5 * 53)
 
 
 def check_against_reference(result, ref, dtype, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):
@@ -46,35 +57,35 @@ def check_against_reference(result, ref, dtype, keys=("loss", "lse", "grad_x", "
 @pytest.mark.parametrize("layout", ["VD", "DV"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("fw", list(FRAMEWORKS))
-def test_matches_reference(fw, case, dtype, layout):
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_matches_reference(impl, case, dtype, layout):
     options, problem_kwargs, with_lse = CASES[case]
     seed = hash((case, dtype, layout)) % 2**31
     p = make_problem(seed, dtype=dtype, weight_layout=layout, **problem_kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
-    result = FRAMEWORKS[fw].run(p, options, g_out, g_lse)
+    result = IMPLEMENTATIONS[impl].run(p, options, g_out, g_lse)
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype)
     assert {"grad_x", "grad_W"} <= result.keys() and ("grad_b" in result) == (p.b is not None)
 
 
 @pytest.mark.parametrize("wrt", [("x",), ("W",), ("b",), ("x", "b")])
-@pytest.mark.parametrize("fw", list(FRAMEWORKS))
-def test_only_some_inputs_require_grad(fw, wrt):
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_only_some_inputs_require_grad(impl, wrt):
     p = make_problem(7, bias=True, class_weights=True)
     options = dict(label_smoothing=0.1)
     g_out, _ = upstream_grads(7, p, "mean", False)
-    result = FRAMEWORKS[fw].run(p, options, g_out, None, wrt=wrt)
+    result = IMPLEMENTATIONS[impl].run(p, options, g_out, None, wrt=wrt)
     assert {k for k in result if k.startswith("grad_")} == {f"grad_{k}" for k in wrt}
     check_against_reference(result, reference(p, options, g_out, None), "float32")
 
 
 @pytest.mark.parametrize("target_dtype", ["int32", "int64"])
-@pytest.mark.parametrize("fw", list(FRAMEWORKS))
-def test_integer_target_dtypes(fw, target_dtype):
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_integer_target_dtypes(impl, target_dtype):
     """int64 labels reach JAX as int32 when x64 is off (its canonicalisation); both must work."""
     p = make_problem(11, vocab=53, dtype="bfloat16")
     g_out, _ = upstream_grads(11, p, "mean", False)
-    result = FRAMEWORKS[fw].run(p, {}, g_out, None, target_dtype=target_dtype)
+    result = IMPLEMENTATIONS[impl].run(p, {}, g_out, None, target_dtype=target_dtype)
     check_against_reference(result, reference(p, {}, g_out, None), "bfloat16")
 
 
@@ -82,7 +93,7 @@ def test_jax_without_jit_matches_reference():
     p = make_problem(5, lead=(3, 4), bias=True)
     options = dict(reduction="none", z_loss=1e-2)
     g_out, g_lse = upstream_grads(5, p, "none", True)
-    result = FRAMEWORKS["jax"].run(p, options, g_out, g_lse, jit=False)
+    result = IMPLEMENTATIONS["jax-chunked"].run(p, options, g_out, g_lse, jit=False)
     check_against_reference(result, reference(p, options, g_out, g_lse), "float32")
 
 
@@ -126,10 +137,27 @@ def test_torch_module_matches_function():
     assert "softcap=3.0" in repr(module)
 
 
-def test_chunk_rule_splits_these_problems(small_chunks):
-    """The cases above run over several chunks, the last one partial."""
+def test_block_rules_split_these_problems(small_chunks):
+    """The cases above run over several chunks / blocks, the last ones partial."""
+    import torch
+
     from interop.options import default_chunk_rows
+    from torch_impl.blocked import plan_blocks
 
     assert default_chunk_rows(13, 19, 53) == 5 and default_chunk_rows(14, 19, 53) == 6
     assert default_chunk_rows(0, 19, 53) == 1
+    speed = plan_blocks("speed", 13, 19, 53, torch.float32, False)
+    assert (speed.block_rows, speed.block_cols, speed.accumulate_dtype) == (4, 53, torch.float32)
+    memory = plan_blocks("memory", 13, 19, 53, torch.bfloat16, False)
+    assert memory.block_rows == 4 and 4 <= memory.block_cols < 53 and 53 % memory.block_cols
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_accumulate_in_input_dtype(impl):
+    """Still within the dtype's tolerance here (few blocks), and the gradient keeps W's dtype."""
+    p = make_problem(21, dtype="bfloat16", bias=True)
+    g_out, _ = upstream_grads(21, p, "sum", False)
+    adapter = IMPLEMENTATIONS[impl]
+    result = adapter.run(p, dict(reduction="sum", accumulate_in_input_dtype=True), g_out, None)
+    check_against_reference(result, reference(p, dict(reduction="sum"), g_out, None), "bfloat16")
 

@@ -1,0 +1,192 @@
+"""The GPU path: blocks of logits from cuBLAS, turned into statistics and dz by Triton.
+
+The logits are computed one block of [R rows, C vocabulary columns] at a time into one
+reused buffer; the Triton kernels of `torch_impl.kernels` reduce a block to per-row
+statistics or rewrite it, in place, as dz; cuBLAS then adds dz's share to the gradients.
+
+Two strategies (`plan_blocks`):
+- "speed": blocks of whole rows (C = V). When the loss is reduced ("mean"/"sum") and
+  no lse is returned, the gradients are computed during the forward pass (6 N D V flops)
+  and the backward pass only scales them. grad_weight is accumulated across row blocks in
+  fp32 (or in the input dtype with `accumulate_in_input_dtype`).
+- "memory": blocks of [R, C] sized so that the logits block and the fp32 grad_input
+  accumulator of one row block together stay under a few percent of the gradients'
+  bytes. The backward pass recomputes the logits (8 N D V flops). grad_weight is
+  accumulated in fp32 inside each row block (one matrix product over R rows) and in the
+  input dtype across row blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from interop.options import CrossEntropyOptions
+from torch_impl.kernels import block_grad_, block_stats_
+from torch_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loss
+
+STRATEGIES = ("auto", "speed", "memory")
+SPEED_BLOCK_ELEMENTS = 1 << 27  # logits per block for "speed" (256 MiB in bf16)
+MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
+MIN_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """How one call is blocked: `strategy`, rows and columns per block, dW accumulation dtype."""
+
+    strategy: str
+    block_rows: int
+    block_cols: int
+    accumulate_dtype: torch.dtype
+
+
+def _round_down(n: int, multiple: int) -> int:
+    return max(multiple, n // multiple * multiple)
+
+
+def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool) -> BlockPlan:
+    """The block sizes of a concrete ("speed" or "memory") strategy for these sizes."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    acc = dtype if accumulate_in_input_dtype else torch.float32
+    if strategy == "speed":
+        rows = _round_down(SPEED_BLOCK_ELEMENTS // vocab, MIN_BLOCK)
+        return BlockPlan("speed", max(1, min(n_rows, rows)), vocab, acc)
+    budget = MEMORY_FRACTION * (n_rows + vocab) * hidden * itemsize
+    rows = _round_down(int(budget / 2 / (hidden * 4)), MIN_BLOCK)
+    rows = max(1, min(n_rows, rows))
+    cols = min(vocab, _round_down(int(budget / 2 / (rows * itemsize)), MIN_BLOCK))
+    return BlockPlan("memory", rows, cols, dtype)
+
+
+def speed_plan_extra_bytes(n_rows: int, hidden: int, vocab: int, dtype: torch.dtype) -> int:
+    """Bytes the "speed" strategy needs beyond the gradients (fp32 dW and one logits block)."""
+    plan = plan_blocks("speed", n_rows, hidden, vocab, dtype, False)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return vocab * hidden * 4 + plan.block_rows * vocab * itemsize
+
+
+def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, accumulating in acc's dtype (fp32 acc with 16-bit a, b allowed)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # no mixed-dtype addmm on the CPU: bounded temporaries, 4096 rows of acc at a time
+        for i in range(0, acc.shape[0], 4096):
+            acc[i : i + 4096] += (a[i : i + 4096] @ b).to(acc.dtype)
+
+
+class _Blocks:
+    """The state of one call: inputs, options, plan, target facts and the logits buffer."""
+
+    def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan):
+        self.x, self.W, self.b, self.opts, self.layout, self.plan = x_ND, W, b_V, opts, weight_layout, plan
+        self.vocab = W.shape[0] if weight_layout == "VD" else W.shape[1]
+        self.cw = None if cw_V is None else cw_V.float()
+        self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
+        self.rows = TargetRows(y_N, self.cw, self.vocab, opts.ignore_index, torch.float32)
+        n = min(plan.block_rows, x_ND.shape[0]) * min(plan.block_cols, self.vocab)
+        self.buffer = torch.empty(n, dtype=x_ND.dtype, device=x_ND.device)
+
+    def row_blocks(self):
+        n = self.x.shape[0]
+        for r0 in range(0, n, self.plan.block_rows):
+            yield slice(r0, min(r0 + self.plan.block_rows, n))
+
+    def col_blocks(self):
+        for v0 in range(0, self.vocab, self.plan.block_cols):
+            yield v0, min(self.plan.block_cols, self.vocab - v0)
+
+    def head_cols(self, v0: int, cols: int) -> torch.Tensor:
+        """W's columns v0..v0+cols as a [cols, D] view."""
+        return self.W[v0 : v0 + cols] if self.layout == "VD" else self.W[:, v0 : v0 + cols].T
+
+    def logits(self, rs: slice, v0: int, cols: int) -> torch.Tensor:
+        """z [R, cols] = x[rs] @ W[v0:v0+cols].T (no bias) in the reused buffer."""
+        x_R = self.x[rs]
+        z = self.buffer[: x_R.shape[0] * cols].view(x_R.shape[0], cols)
+        return torch.mm(x_R, self.head_cols(v0, cols).T, out=z)
+
+    def add_grads(self, dz, rs: slice, v0: int, cols: int, dx_out, dW, db, dx_accumulate: bool = False) -> None:
+        """Add dz [R, cols]'s share to the gradients: dx_out [R, D] = dz W_c (+= if
+        dx_accumulate: an accumulator over column blocks), dW += .., db += .."""
+        if dx_out is not None:
+            W_c = self.head_cols(v0, cols)
+            if dx_accumulate:
+                _addmm_(dx_out, dz, W_c)
+            else:
+                torch.mm(dz, W_c, out=dx_out)
+        if dW is not None:
+            if self.layout == "VD":
+                _addmm_(dW[v0 : v0 + cols], dz.T, self.x[rs])
+            else:
+                _addmm_(dW[:, v0 : v0 + cols], self.x[rs].T, dz)
+        if db is not None:
+            db[v0 : v0 + cols] += dz.sum(0, dtype=torch.float32)
+
+    def grad_block_(self, z, rs: slice, v0: int, lse, p_coef, t_coef, s_coef) -> torch.Tensor:
+        """Rewrite the logits block z as dz, in place; returns it."""
+        block_grad_(z, z, v0, self.b, self.cw, self.rows.safe_y[rs], lse, p_coef, t_coef, s_coef, self.opts.softcap)
+        return z
+
+    def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool):
+        """(dx [N, D] in x's dtype, fp32 [R, D] accumulator when rows span several column blocks, dW, db)."""
+        x, W = self.x, self.W
+        dx = torch.empty_like(x) if need_x else None
+        multi_col = self.plan.block_cols < self.vocab
+        dx_acc = torch.zeros(min(self.plan.block_rows, x.shape[0]), x.shape[1], dtype=torch.float32, device=x.device) if need_x and multi_col else None
+        dW = torch.zeros(W.shape, dtype=self.plan.accumulate_dtype, device=W.device) if need_W else None
+        db = torch.zeros(self.vocab, dtype=torch.float32, device=W.device) if need_b else None
+        return dx, dx_acc, dW, db
+
+
+def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False)):
+    """Loss (reduced), lse [N] (fp32) and, if any of grads_now = (x, W, b) is set, those
+    gradients for an upstream gradient of 1 (else None): (loss, lse, dx, dW, db)."""
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan)
+    rows, n, dev = blocks.rows, x_ND.shape[0], x_ND.device
+    m = torch.full((n,), -math.inf, dtype=torch.float32, device=dev)
+    l, sy, ws = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    in_forward = any(grads_now)
+    assert not in_forward or plan.block_cols == blocks.vocab, "gradients in the forward pass need whole rows"
+    dx, _, dW, db = blocks.gradient_buffers(*grads_now)
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    for rs in blocks.row_blocks():
+        for v0, cols in blocks.col_blocks():
+            z = blocks.logits(rs, v0, cols)
+            block_stats_(z, v0, b_V, blocks.cw, rows.safe_y[rs], m[rs], l[rs], sy[rs], ws[rs], opts.softcap,
+                         opts.label_smoothing > 0)
+        lse[rs] = m[rs] + torch.log(l[rs])
+        if in_forward:
+            coefs = row_coefficients(one, None, lse[rs], rows, blocks.cw_sum, opts, blocks.vocab, rs)
+            dz = blocks.grad_block_(z, rs, 0, lse[rs], *coefs)
+            blocks.add_grads(dz, rs, 0, blocks.vocab, None if dx is None else dx[rs], dW, db)
+    loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, blocks.cw_sum, blocks.vocab), rows, opts.reduction)
+    return loss, lse, dx, _final(dW, W), _final(db, b_V)
+
+
+def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True)):
+    """(dx, dW, db) by recomputing the logits block by block; None for what is not needed."""
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan)
+    if grad_loss is None:
+        grad_loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
+    dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
+    for rs in blocks.row_blocks():
+        coefs = row_coefficients(grad_loss[rs] if grad_loss.ndim else grad_loss, None if grad_lse is None else grad_lse[rs],
+                                 lse[rs], blocks.rows, blocks.cw_sum, opts, blocks.vocab, rs)
+        for v0, cols in blocks.col_blocks():
+            dz = blocks.grad_block_(blocks.logits(rs, v0, cols), rs, v0, lse[rs], *coefs)
+            dx_out = None if dx is None else (dx[rs] if dx_acc is None else dx_acc[: rs.stop - rs.start])
+            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+        if dx_acc is not None:
+            dx[rs] = dx_acc[: rs.stop - rs.start]
+            dx_acc.zero_()
+    return dx, _final(dW, W), _final(db, b_V)
+
+
+def _final(acc, like):
+    return None if acc is None else acc.to(like.dtype)

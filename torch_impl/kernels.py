@@ -1,0 +1,136 @@
+"""Triton kernels over one block of logits z [R, C] (R rows, C vocabulary columns at
+column offset v0): the elementwise and row-wise work between the matrix products.
+
+- `block_stats_`: merges the block into running per-row statistics (online max m, sum of
+  exponentials l, s at the target s_y, class-weighted sum ws), so lse = m + log(l) once
+  every column block of the rows has been seen.
+- `block_grad_`: turns the block into dz (interop/SPEC.md), in place or into another
+  buffer, from per-row lse and coefficients (P, T, S).
+
+Both apply the bias and the softcap on the fly; z is read in its own dtype and the math is
+fp32. One program handles one row of the block, looping over its columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_C = 2048
+
+
+@triton.jit
+def _tanh(u):
+    # Portable across Triton versions (no libdevice): tanh(u) = 1 - 2 / (exp(2u) + 1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+@triton.jit
+def _capped_logits(z_ptrs, b_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr):
+    z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CAP:
+        z = cap * _tanh(z / cap)
+    return z
+
+
+@triton.jit
+def _block_stats_kernel(
+    z_ptr, stride_zr,            # [R, C] logits block
+    b_ptr, cw_ptr,               # [V] bias, class weights (unused unless HAS_BIAS / HAS_CW)
+    y_ptr,                       # [R] int64 target, in [0, V)
+    m_ptr, l_ptr, sy_ptr, ws_ptr,  # [R] fp32 running statistics, updated in place
+    C, v0, cap,
+    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, NEED_WS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    y = tl.load(y_ptr + row) - v0
+    m = tl.load(m_ptr + row)
+    l = tl.load(l_ptr + row)
+    sy = tl.load(sy_ptr + row)
+    ws = tl.load(ws_ptr + row)
+    for c0 in range(0, C, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        mask = offs < C
+        s = _capped_logits(z_ptr + row * stride_zr + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP)
+        m_new = tl.maximum(m, tl.max(tl.where(mask, s, -float("inf")), axis=0))
+        l = l * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(s - m_new), 0.0), axis=0)
+        m = m_new
+        sy += tl.sum(tl.where(offs == y, s, 0.0), axis=0)
+        if NEED_WS:
+            if HAS_CW:
+                s = s * tl.load(cw_ptr + v0 + offs, mask=mask, other=0.0).to(tl.float32)
+            ws += tl.sum(tl.where(mask, s, 0.0), axis=0)
+    tl.store(m_ptr + row, m)
+    tl.store(l_ptr + row, l)
+    tl.store(sy_ptr + row, sy)
+    tl.store(ws_ptr + row, ws)
+
+
+@triton.jit
+def _block_grad_kernel(
+    z_ptr, stride_zr,            # [R, C] logits block
+    dz_ptr, stride_dr,           # [R, C] output (may be z itself)
+    b_ptr, cw_ptr,               # [V]
+    y_ptr, lse_ptr,              # [R] int64 target, fp32 lse
+    p_ptr, t_ptr, s_ptr,         # [R] fp32 coefficients: dz = P p - T [j == y] - S cw_j
+    C, v0, cap,
+    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    y = tl.load(y_ptr + row) - v0
+    lse = tl.load(lse_ptr + row)
+    p_coef = tl.load(p_ptr + row)
+    t_coef = tl.load(t_ptr + row)
+    s_coef = tl.load(s_ptr + row)
+    for c0 in range(0, C, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        mask = offs < C
+        s = _capped_logits(z_ptr + row * stride_zr + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP)
+        dz = p_coef * tl.exp(s - lse) - tl.where(offs == y, t_coef, 0.0)
+        if HAS_CW:
+            dz -= s_coef * tl.load(cw_ptr + v0 + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            dz -= s_coef
+        if HAS_CAP:
+            t = s / cap
+            dz *= 1.0 - t * t
+        tl.store(dz_ptr + row * stride_dr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like if t is None else t
+
+
+def block_stats_(z_RC, v0: int, b_V, cw_V, safe_y_R, m_R, l_R, sy_R, ws_R, softcap, need_ws: bool) -> None:
+    """Merge logits block z [R, C] (columns v0..v0+C) into the running statistics, in place.
+
+    safe_y_R: int64 targets (any value; only those in [v0, v0+C) are picked up);
+    m/l/sy/ws_R: fp32 [R], start at (-inf, 0, 0, 0).
+    """
+    R, C = z_RC.shape
+    if R == 0:
+        return
+    _block_stats_kernel[(R,)](
+        z_RC, z_RC.stride(0), _dummy(b_V, z_RC), _dummy(cw_V, z_RC), safe_y_R, m_R, l_R, sy_R, ws_R,
+        C, v0, 1.0 if softcap is None else float(softcap),
+        HAS_BIAS=b_V is not None, HAS_CW=cw_V is not None, HAS_CAP=softcap is not None, NEED_WS=need_ws,
+        BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
+    )
+
+
+def block_grad_(z_RC, dz_RC, v0: int, b_V, cw_V, safe_y_R, lse_R, p_R, t_R, s_R, softcap) -> None:
+    """Write dz [R, C] for logits block z [R, C] (columns v0..v0+C); dz may be z itself."""
+    R, C = z_RC.shape
+    if R == 0:
+        return
+    _block_grad_kernel[(R,)](
+        z_RC, z_RC.stride(0), dz_RC, dz_RC.stride(0), _dummy(b_V, z_RC), _dummy(cw_V, z_RC),
+        safe_y_R, lse_R, p_R, t_R, s_R, C, v0, 1.0 if softcap is None else float(softcap),
+        HAS_BIAS=b_V is not None, HAS_CW=cw_V is not None, HAS_CAP=softcap is not None,
+        BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
+    )
