@@ -105,8 +105,8 @@ def linear_cross_entropy_reference(
     m_N = s_NV.max(axis=1, keepdims=True) if V else np.zeros((x_ND.shape[0], 1))
     lse_N = (m_N + np.log(np.exp(s_NV - m_N).sum(axis=1, keepdims=True)))[:, 0]
 
-    eps = label_smoothing
-    valid = y_N != ignore_index
+    eps = opts.label_smoothing
+    valid = y_N != opts.ignore_index
     in_range = (y_N >= 0) & (y_N < V)
     safe_y = np.where(in_range, y_N, 0)
     cw = np.ones(V) if cw_V is None else cw_V
