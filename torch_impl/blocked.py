@@ -72,11 +72,19 @@ def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b, accumulating in acc's dtype (fp32 acc with 16-bit a, b allowed)."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:  # no mixed-dtype addmm on the CPU: bounded temporaries, 4096 rows of acc at a time
+    elif acc.is_cuda and _MIXED_ADDMM[0]:
+        try:  # cuBLAS adds the 16-bit product into the fp32 matrix in place
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):  # this torch has no mixed-dtype addmm
+            _MIXED_ADDMM[0] = False
+            _addmm_(acc, a, b)
+    else:  # bounded temporaries: 4096 rows of acc at a time
         for i in range(0, acc.shape[0], 4096):
             acc[i : i + 4096] += (a[i : i + 4096] @ b).to(acc.dtype)
+
+
+_MIXED_ADDMM = [True]
 
 
 class _Blocks:

@@ -1,0 +1,96 @@
+"""Timing, peak memory and error of one method on one problem (PyTorch)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+PRESETS = {
+    "L": (16384, 4096, 128256),  # Llama-3-8B head
+    "G": (8192, 2304, 256000),  # Gemma-2-2B head
+    "S": (4096, 1024, 32000),
+    "cpu": (2048, 256, 32000),  # the CPU demo shape
+}
+
+
+def make_inputs(n, d, v, dtype, device, ignore_frac=0.1, peaked=False, seed=0):
+    """x ~ N(0, 1), W ~ N(0, 1/D) (logits ~ N(0, 1)); 10% of targets -100.
+
+    peaked: the logits are scaled so that the softmax has the entropy of a trained language
+    model (a few nats), and the targets are drawn from that softmax's top classes.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, d, device=device, generator=gen)
+    W = torch.randn(v, d, device=device, generator=gen) / d**0.5
+    if peaked:
+        W *= 4.0  # logits ~ N(0, 16): entropy of a few nats at V ~ 1e5
+    x, W = x.to(dtype), W.to(dtype)
+    y = torch.randint(0, v, (n,), device=device, generator=gen)
+    if peaked:  # the most likely class of each row
+        y = torch.cat([y[:0]] + [(x[i : i + 1024] @ W.T).argmax(-1) for i in range(0, n, 1024)])
+    y[torch.rand(n, device=device, generator=gen) < ignore_frac] = -100
+    return x, W, y
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, warmup=3, repeat=10) -> float:
+    """Median milliseconds of fn() (CUDA events on a GPU, perf_counter on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def fwd_bwd(method, x, W, y):
+    """One forward + backward; returns (loss, grad_x, grad_W)."""
+    x, W = x.detach().requires_grad_(), W.detach().requires_grad_()
+    loss = method(x, W, y)
+    loss.backward()
+    return loss.detach(), x.grad, W.grad
+
+
+def peak_extra_bytes(fn, device) -> int | None:
+    """Peak allocated bytes above what was allocated before fn() (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return peak
+
+
+def rel_err(a, ref) -> float:
+    return float((a.double() - ref.double()).norm() / ref.double().norm())
+
+
+def matmul_tflops(device, dtype, n=8192) -> float | None:
+    """Achieved TFLOP/s of an n^3 matrix product in `dtype`, measured now (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = time_ms(lambda: a @ b, device, warmup=3, repeat=20)
+    return 2 * n**3 / ms / 1e9

@@ -1,0 +1,72 @@
+"""The PyTorch methods the benchmark compares: ours, torch eager / compile, and the peers.
+
+Each method is a function (x [N, D], W [V, D], y [N]) -> scalar mean loss over rows whose
+target is not -100. A peer that can't be imported is reported as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def _eager(x, W, y):
+    return F.cross_entropy((x @ W.T).float(), y)
+
+
+def _ours(strategy):
+    import torch_impl
+
+    return lambda x, W, y: torch_impl.linear_cross_entropy(x, W, y, strategy=strategy)
+
+
+def _compiled():
+    return torch.compile(_eager, dynamic=False)
+
+
+def _torch_native():
+    if not hasattr(F, "linear_cross_entropy"):
+        raise ImportError(f"torch {torch.__version__} has no F.linear_cross_entropy (added in 2.13)")
+    options = torch.nn.LinearCrossEntropyOptions()
+    return lambda x, W, y: F.linear_cross_entropy(x, W, y, options=options)
+
+
+def _liger():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss()
+    return lambda x, W, y: loss(W, x, y)
+
+
+def _cce(filter_eps):
+    from cut_cross_entropy import linear_cross_entropy
+
+    if filter_eps == "default":
+        return lambda x, W, y: linear_cross_entropy(x, W, y)
+    return lambda x, W, y: linear_cross_entropy(x, W, y, filter_eps=filter_eps)
+
+
+METHODS = {
+    "ours-speed": functools.partial(_ours, "speed"),
+    "ours-memory": functools.partial(_ours, "memory"),
+    "ours-chunked": functools.partial(_ours, "chunked"),
+    "torch-eager": lambda: _eager,
+    "torch-compile": _compiled,
+    "torch-native": _torch_native,
+    "liger": _liger,
+    "cce": functools.partial(_cce, "default"),
+    "cce-nofilter": functools.partial(_cce, None),
+}
+
+
+def load(names):
+    """(methods {name: fn}, skipped {name: reason}) for the requested names."""
+    methods, skipped = {}, {}
+    for name in names:
+        try:
+            methods[name] = METHODS[name]()
+        except Exception as e:  # a missing or broken peer is reported, never dropped
+            skipped[name] = f"{type(e).__name__}: {e}"
+    return methods, skipped
