@@ -30,6 +30,7 @@ def blocks(request, monkeypatch):
 
     if request.param == "small-blocks":
         monkeypatch.setattr(torch_impl.blocked, "MIN_BLOCK", 64)
+        monkeypatch.setattr(torch_impl.blocked, "MIN_MEMORY_BLOCK", (64, 64))
         monkeypatch.setattr(torch_impl.blocked, "SPEED_BLOCK_ELEMENTS", 300 * 5003)
         monkeypatch.setattr(torch_impl.blocked, "MEMORY_FRACTION", 0.01)
     return request.param
@@ -47,7 +48,7 @@ def test_kernels_match_reference(strategy, case, dtype, layout, blocks):
     p = make_problem(seed, lead=lead, hidden=257, vocab=5003, dtype=dtype, weight_layout=layout, **kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
     result = TorchAdapter(strategy, "cuda").run(p, options, g_out, g_lse)
-    check_against_reference(result, reference(p, options, g_out, g_lse), dtype)
+    check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
 def _large_problem(n, d, v, dtype, seed=0):
@@ -104,17 +105,22 @@ def test_large_shapes_against_fp64_and_eager(strategy, shape):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_forward_only_does_no_gradient_work(strategy):
-    """Without grad the call allocates no gradient buffers: peak extra is the logits block."""
+    """Without grad the call allocates no gradient buffers: its peak is the logits block and
+    O(N) statistics, far below one grad_weight (V x D)."""
     import torch_impl
+    from torch_impl.blocked import plan_blocks
 
-    x, W, y = _large_problem(4096, 1024, 32000, torch.bfloat16)
+    n, d, v = 4096, 1024, 32000
+    x, W, y = _large_problem(n, d, v, torch.bfloat16)
+    plan = plan_blocks(strategy, n, d, v, torch.bfloat16, False)
+    block_bytes = plan.block_rows * plan.block_cols * 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     with torch.no_grad():
         loss = torch_impl.linear_cross_entropy(x, W, y, strategy=strategy)
     peak = torch.cuda.max_memory_allocated() - base
-    assert peak < W.numel() * W.element_size() / 2, f"forward-only peak {peak / 2**20:.0f} MiB"
+    assert peak < block_bytes + 64 * n + W.numel() * W.element_size() / 4, f"forward-only peak {peak / 2**20:.0f} MiB"
     assert _err(loss, _fp64_spec(x, W, y)[0]) <= 1e-4
 
 

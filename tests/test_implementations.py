@@ -41,12 +41,13 @@ def small_chunks(monkeypatch):
 
     monkeypatch.setattr(interop.options, "MIN_CHUNK_ROWS", 1)
     monkeypatch.setattr(torch_impl.blocked, "MIN_BLOCK", 4)
+    monkeypatch.setattr(torch_impl.blocked, "MIN_MEMORY_BLOCK", (4, 4))
     monkeypatch.setattr(torch_impl.blocked, "SPEED_BLOCK_ELEMENTS", 5 * 53)
 
 
-def check_against_reference(result, ref, dtype, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):
+def check_against_reference(result, ref, dtype, logit_scale=1.0, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):
     ref_of = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
-    tol = tolerance(dtype)
+    tol = tolerance(dtype, logit_scale)
     for key in keys:
         if key not in result:
             continue
@@ -64,7 +65,7 @@ def test_matches_reference(impl, case, dtype, layout):
     p = make_problem(seed, dtype=dtype, weight_layout=layout, **problem_kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
     result = IMPLEMENTATIONS[impl].run(p, options, g_out, g_lse)
-    check_against_reference(result, reference(p, options, g_out, g_lse), dtype)
+    check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
     assert {"grad_x", "grad_W"} <= result.keys() and ("grad_b" in result) == (p.b is not None)
 
 

@@ -30,7 +30,8 @@ from torch_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loss
 STRATEGIES = ("auto", "speed", "memory")
 SPEED_BLOCK_ELEMENTS = 1 << 27  # logits per block for "speed" (256 MiB in bf16)
 MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
-MIN_BLOCK = 128
+MIN_BLOCK = 128  # rows or columns of a block, at the least
+MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +56,10 @@ def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torc
         rows = _round_down(SPEED_BLOCK_ELEMENTS // vocab, MIN_BLOCK)
         return BlockPlan("speed", max(1, min(n_rows, rows)), vocab, acc)
     budget = MEMORY_FRACTION * (n_rows + vocab) * hidden * itemsize
-    rows = _round_down(int(budget / 2 / (hidden * 4)), MIN_BLOCK)
+    min_rows, min_cols = (max(MIN_BLOCK, m) for m in MIN_MEMORY_BLOCK)
+    rows = max(min_rows, _round_down(int(budget / 2 / (hidden * 4)), MIN_BLOCK))
     rows = max(1, min(n_rows, rows))
-    cols = min(vocab, _round_down(int(budget / 2 / (rows * itemsize)), MIN_BLOCK))
+    cols = min(vocab, max(min_cols, _round_down(int(budget / 2 / (rows * itemsize)), MIN_BLOCK)))
     return BlockPlan("memory", rows, cols, dtype)
 
 

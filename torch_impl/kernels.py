@@ -46,28 +46,36 @@ def _block_stats_kernel(
     HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, NEED_WS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Per-lane running statistics, reduced across lanes once at the end.
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(y_ptr + row) - v0
-    m = tl.load(m_ptr + row)
-    l = tl.load(l_ptr + row)
-    sy = tl.load(sy_ptr + row)
-    ws = tl.load(ws_ptr + row)
+    m_vec = tl.full([BLOCK], -float("inf"), tl.float32)
+    l_vec = tl.zeros([BLOCK], tl.float32)
+    sy_vec = tl.zeros([BLOCK], tl.float32)
+    ws_vec = tl.zeros([BLOCK], tl.float32)
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
         s = _capped_logits(z_ptr + row * stride_zr + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP)
-        m_new = tl.maximum(m, tl.max(tl.where(mask, s, -float("inf")), axis=0))
-        l = l * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(s - m_new), 0.0), axis=0)
-        m = m_new
-        sy += tl.sum(tl.where(offs == y, s, 0.0), axis=0)
+        s_in = tl.where(mask, s, -float("inf"))
+        m_new = tl.maximum(m_vec, s_in)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # lanes that have seen nothing yet
+        l_vec = l_vec * tl.exp(m_vec - m_safe) + tl.exp(s_in - m_safe)
+        m_vec = m_new
+        sy_vec += tl.where(offs == y, s, 0.0)
         if NEED_WS:
             if HAS_CW:
                 s = s * tl.load(cw_ptr + v0 + offs, mask=mask, other=0.0).to(tl.float32)
-            ws += tl.sum(tl.where(mask, s, 0.0), axis=0)
+            ws_vec += tl.where(mask, s, 0.0)
+    m_old = tl.load(m_ptr + row)
+    m_blk = tl.max(m_vec, axis=0)
+    m = tl.maximum(m_old, m_blk)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    l_blk = tl.sum(tl.where(m_vec == -float("inf"), 0.0, l_vec * tl.exp(m_vec - m_safe)), axis=0)
+    tl.store(l_ptr + row, tl.load(l_ptr + row) * tl.exp(m_old - m_safe) + l_blk)
     tl.store(m_ptr + row, m)
-    tl.store(l_ptr + row, l)
-    tl.store(sy_ptr + row, sy)
-    tl.store(ws_ptr + row, ws)
+    tl.store(sy_ptr + row, tl.load(sy_ptr + row) + tl.sum(sy_vec, axis=0))
+    tl.store(ws_ptr + row, tl.load(ws_ptr + row) + tl.sum(ws_vec, axis=0))
 
 
 @triton.jit
