@@ -19,7 +19,10 @@ def main():
     parser.add_argument("--rows", type=int, default=12)
     args = parser.parse_args()
     x, W, y = measure.make_inputs(*measure.PRESETS[args.shape], torch.bfloat16, torch.device("cuda"))
-    (method,), _ = torch_methods.load([args.method]).__iter__().__next__().values(), None
+    methods, skipped = torch_methods.load([args.method])
+    if skipped:
+        raise SystemExit(f"{args.method}: {skipped[args.method]}")
+    method = methods[args.method]
     for _ in range(2):
         measure.fwd_bwd(method, x, W, y)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
