@@ -21,10 +21,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _is_traced() -> bool:
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
-
-
 def _check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Raise ValueError for a target outside [0, V) that is not ignore_index (eager calls only)."""
     bad = (y_N != ignore_index) & ((y_N < 0) | (y_N >= vocab))
@@ -51,6 +47,7 @@ def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vo
     return "speed" if blocked.speed_plan_extra_bytes(n_rows, hidden, vocab, x.dtype) <= 0.25 * free else "memory"
 
 
+@torch.compiler.disable
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -95,7 +92,14 @@ def linear_cross_entropy(
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
         with ``return_lse``, the tuple (loss, lse [...]).
+
+    Inside a ``torch.compile``d model the call runs as one opaque step (a graph break):
+    the model compiles around it, and bad targets still raise.
     """
+    if torch.is_autocast_enabled(input.device.type):  # as F.linear would: cast to the autocast dtype
+        dtype = torch.get_autocast_dtype(input.device.type)
+        input, linear_weight = input.to(dtype), linear_weight.to(dtype)
+        linear_bias = None if linear_bias is None else linear_bias.to(dtype)
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
     check_strategy(strategy)
     shape = check_inputs(
@@ -113,8 +117,7 @@ def linear_cross_entropy(
     )
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     y_N = target.reshape(shape.n_rows)
-    if not _is_traced():
-        _check_target_range(y_N, shape.vocab, opts.ignore_index)
+    _check_target_range(y_N, shape.vocab, opts.ignore_index)
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab)
     if strategy == "chunked":
         loss, lse_N = ChunkedLinearCrossEntropy.apply(
