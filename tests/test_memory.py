@@ -84,3 +84,25 @@ def test_jax_chunked_temp_memory_is_far_below_naive():
     chunked_bytes = temp_bytes(jax_impl.linear_cross_entropy)
     assert naive_bytes >= LOGITS_BYTES, f"naive temp {naive_bytes / 2**20:.0f} MiB"
     assert chunked_bytes <= 0.25 * naive_bytes, f"chunked {chunked_bytes / 2**20:.0f} MiB vs naive {naive_bytes / 2**20:.0f} MiB"
+
+
+def test_jax_dv_layout_does_not_copy_the_weight():
+    """An nnx.Linear-style [D, V] head is used in place: the compiled fwd+bwd needs no more
+    temporary memory than with a [V, D] head (a transposed copy would add V*D*2 bytes)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    n, d, v = 256, 512, 32768
+    x = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    def temp_bytes(layout):
+        W = jax.ShapeDtypeStruct((v, d) if layout == "VD" else (d, v), jnp.bfloat16)
+        loss = lambda x, W, y: jax_impl.linear_cross_entropy(x, W, y, weight_layout=layout)
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, W, y).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    vd, dv = temp_bytes("VD"), temp_bytes("DV")
+    assert dv <= vd + d * v * 2 // 8, f"[D, V] head: {dv / 2**20:.1f} MiB of temporaries vs {vd / 2**20:.1f} MiB for [V, D]"
