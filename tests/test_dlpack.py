@@ -1,0 +1,84 @@
+"""The DLPack bridge: zero-copy both ways, and clear refusals (interop/dlpack.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from interop.dlpack import SHARED_DTYPES, to_jax, to_torch
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+
+
+def _pointer(array) -> int:
+    return array.unsafe_buffer_pointer()
+
+
+def _sample(dtype, device):
+    t = torch.arange(24, device=device).reshape(4, 6) % 7
+    return (t > 2) if dtype == "bool" else t.to(TORCH_DTYPES[dtype])
+
+
+def _check_round_trip(device, dtype):
+    t = _sample(dtype, device)
+    a = to_jax(t)
+    assert _pointer(a) == t.data_ptr(), "to_jax copied"
+    assert a.shape == tuple(t.shape) and jnp.dtype(a.dtype).name == dtype
+    assert (device == "cuda") == (a.devices().pop().platform == "gpu")
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), t.float().cpu().numpy())
+    back = to_torch(a)
+    assert back.data_ptr() == t.data_ptr() and back.dtype == t.dtype and back.device == t.device
+
+
+@pytest.mark.parametrize("dtype", [d for d in SHARED_DTYPES if d != "int64"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_shares_memory(device, dtype):
+    _check_round_trip(device, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int64_round_trip_with_x64(device):
+    with jax.enable_x64(True):
+        _check_round_trip(device, "int64")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_torch_write_is_seen_through_jax(device):
+    """The buffer is the same memory: a later in-place torch write shows in the JAX view."""
+    t = torch.zeros(1000, device=device)
+    a = to_jax(t)
+    t.fill_(3.0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert float(jnp.asarray(a)[999]) == 3.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_jax_to_torch_shares_memory(device):
+    a = jax.device_put(jnp.arange(12, dtype=jnp.float32).reshape(3, 4), jax.devices("gpu" if device == "cuda" else "cpu")[0])
+    t = to_torch(a)
+    assert t.data_ptr() == _pointer(a) and t.device.type == device
+    assert torch.equal(t.cpu(), torch.arange(12, dtype=torch.float32).reshape(3, 4))
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ValueError, match="requires grad"):
+        to_jax(torch.ones(3, requires_grad=True))
+    with pytest.raises(ValueError, match="not contiguous"):
+        to_jax(torch.ones(4, 6).T)
+    a = jnp.ones(3)
+    a.delete()
+    with pytest.raises(ValueError, match="deleted"):
+        to_torch(a)
+
+
+def test_int64_without_x64_is_refused():
+    assert not jax.config.jax_enable_x64
+    with pytest.raises(ValueError, match="int32"):
+        to_jax(torch.arange(3))
+    assert _pointer(to_jax(torch.arange(3).int())) != 0
