@@ -11,7 +11,7 @@ PRESETS = {
     "L": (16384, 4096, 128256),  # Llama-3-8B head
     "G": (8192, 2304, 256000),  # Gemma-2-2B head
     "S": (4096, 1024, 32000),
-    "cpu": (2048, 256, 32000),  # the CPU demo shape
+    "cpu": (1024, 128, 16000),  # the CPU demo shape
 }
 
 
@@ -39,14 +39,15 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_ms(fn, device, warmup=3, repeat=10) -> float:
-    """Median milliseconds of fn() (CUDA events on a GPU, perf_counter on the CPU)."""
+def time_ms(fn, device, warmup=3, repeat=10, events=True) -> float:
+    """Median milliseconds of fn(): CUDA events on a GPU, else (or with events=False, for
+    JAX, whose fn must block until its result is ready) the host clock."""
     for _ in range(warmup):
         fn()
     _sync(device)
     times = []
     for _ in range(repeat):
-        if device.type == "cuda":
+        if device.type == "cuda" and events:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -68,16 +69,35 @@ def fwd_bwd(method, x, W, y):
     return loss.detach(), x.grad, W.grad
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
 def peak_extra_bytes(fn, device) -> int | None:
-    """Peak allocated bytes above what was allocated before fn() (CUDA only)."""
-    if device.type != "cuda":
+    """Peak memory above what was in use before fn(): the CUDA allocator's peak on a GPU,
+    the growth of the process's peak resident memory on a Linux CPU (meaningful in a fresh
+    process: see bench.cpu_peak), None where neither is readable."""
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = fn()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del out
+        return peak
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak resident set size to the current one
+        base = _status_kib("VmRSS")
+    except OSError:
         return None
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
     out = fn()
-    _sync(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = (_status_kib("VmHWM") - base) * 1024
     del out
     return peak
 
