@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from interop.options import CrossEntropyOptions
+from jax_impl.rows import TargetRows, compute_dtype, reduce_loss, row_blocks, row_coefficients, row_loss
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedConfig:
@@ -25,11 +26,6 @@ class ChunkedConfig:
     weight_layout: str
     chunk_rows: int
     accumulate_in_input_dtype: bool = False
-
-
-def compute_dtype(dtype) -> jnp.dtype:
-    """fp32 for 16- and 32-bit inputs, fp64 for fp64."""
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
 def _capped_logits(x_CD, W, b_V, cfg: ChunkedConfig, dtype):
@@ -42,47 +38,13 @@ def _capped_logits(x_CD, W, b_V, cfg: ChunkedConfig, dtype):
     return z_CV if cap is None else cap * jnp.tanh(z_CV / cap)
 
 
-@dataclasses.dataclass
-class TargetRows:
-    """Per-row target facts: safe indices, valid / in-range / bad masks and cw[y] (0 if ignored)."""
-
-    safe_y: jax.Array
-    valid: jax.Array
-    in_range: jax.Array
-    bad: jax.Array
-    cw_y: jax.Array
-
-    @classmethod
-    def build(cls, y_N, cw_V, vocab: int, ignore_index: int, dtype) -> "TargetRows":
-        valid = y_N != ignore_index
-        in_range = (y_N >= 0) & (y_N < vocab)
-        safe_y = jnp.where(in_range, y_N, 0)
-        cw_y = jnp.ones(y_N.shape, dtype) if cw_V is None else cw_V.astype(dtype)[safe_y]
-        return cls(safe_y, valid, in_range, valid & ~in_range, jnp.where(valid, cw_y, 0))
-
-
-def _row_loss(s_CV, lse_C, safe_y_C, valid_C, bad_C, cw_y_C, cw_V, opts: CrossEntropyOptions):
-    """Per-row loss [C] of one chunk (0 for ignored rows, NaN for out-of-range targets)."""
-    eps, vocab = opts.label_smoothing, s_CV.shape[1]
+def _row_stats(s_CV, safe_y_C, cw_V, smoothing: bool):
+    """(lse, s_y, ws) [C] of one chunk of soft-capped logits (ws is 0 without smoothing)."""
+    lse = jax.nn.logsumexp(s_CV, axis=1)
     s_y = jnp.take_along_axis(s_CV, safe_y_C[:, None], axis=1)[:, 0]
-    loss = (1 - eps) * cw_y_C * (lse_C - s_y)
-    if eps:
-        cw_sum = vocab if cw_V is None else cw_V.sum()
-        weighted_s = s_CV.sum(1) if cw_V is None else s_CV @ cw_V
-        loss = loss + eps * (cw_sum * lse_C - weighted_s) / vocab
-    if opts.z_loss:
-        loss = loss + opts.z_loss * lse_C * lse_C
-    loss = jnp.where(bad_C, jnp.nan, loss)
-    return jnp.where(valid_C, loss, 0)
-
-
-def _chunks(a, n_rows: int, chunk_rows: int, fill):
-    """[N, ...] -> [N_chunks, C, ...], padding the last chunk with `fill`."""
-    n_chunks = -(-n_rows // chunk_rows)
-    pad = n_chunks * chunk_rows - n_rows
-    if pad:
-        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
-    return a.reshape((n_chunks, chunk_rows) + a.shape[1:])
+    if not smoothing:
+        return lse, s_y, jnp.zeros_like(lse)
+    return lse, s_y, s_CV.sum(1) if cw_V is None else s_CV @ cw_V
 
 
 def _forward(x_ND, W, b_V, cw_V, y_N, cfg: ChunkedConfig):
@@ -92,23 +54,17 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: ChunkedConfig):
     vocab = W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
     cw = None if cw_V is None else cw_V.astype(dtype)
     rows = TargetRows.build(y_N, cw, vocab, opts.ignore_index, dtype)
+    cw_sum = vocab if cw is None else cw.sum()
 
     def chunk(_, xs):
-        x_CD, safe_y, valid, bad, cw_y = xs
+        x_CD, safe_y = xs
         s_CV = _capped_logits(x_CD, W, b_V, cfg, dtype)
-        lse_C = jax.nn.logsumexp(s_CV, axis=1)
-        return None, (lse_C, _row_loss(s_CV, lse_C, safe_y, valid, bad, cw_y, cw, opts))
+        return None, _row_stats(s_CV, safe_y, cw, opts.label_smoothing > 0)
 
-    per_row = (x_ND, rows.safe_y, rows.valid, rows.bad, rows.cw_y)
-    xs = tuple(_chunks(a, n_rows, cfg.chunk_rows, 0) for a in per_row)
-    _, (lse, loss) = jax.lax.scan(chunk, None, xs)
-    lse_N, loss_N = lse.reshape(-1)[:n_rows], loss.reshape(-1)[:n_rows]
-    if opts.reduction == "sum":
-        loss = loss_N.sum()
-    elif opts.reduction == "mean":
-        loss = loss_N.sum() / rows.cw_y.sum()
-    else:
-        loss = loss_N
+    xs = (row_blocks(x_ND, n_rows, cfg.chunk_rows, 0), row_blocks(rows.safe_y, n_rows, cfg.chunk_rows, 0))
+    _, stats = jax.lax.scan(chunk, None, xs)
+    lse_N, s_y, ws = (a.reshape(-1)[:n_rows] for a in stats)
+    loss = reduce_loss(row_loss(lse_N, s_y, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
     return loss, lse_N, rows
 
 
@@ -129,18 +85,10 @@ def _bwd(cfg: ChunkedConfig, res, cotangents):
     g_loss, g_lse = cotangents
     opts, n_rows, dtype = cfg.options, x_ND.shape[0], lse_N.dtype
     vocab = W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
-    eps = opts.label_smoothing
     cw = None if cw_V is None else cw_V.astype(dtype)
     rows = TargetRows.build(y_N, cw, vocab, opts.ignore_index, dtype)
-    g = g_loss.astype(dtype)
-    if opts.reduction == "mean":
-        g = g / rows.cw_y.sum()
-    r = jnp.where(rows.valid, jnp.broadcast_to(g, (n_rows,)), 0)
-    cw_mean = 1.0 if cw is None else cw.sum() / vocab
-    p_coef = r * ((1 - eps) * rows.cw_y + eps * cw_mean + 2 * opts.z_loss * lse_N) + g_lse.astype(dtype)
-    p_coef = jnp.where(rows.bad, jnp.nan, p_coef)
-    t_coef = jnp.where(rows.in_range, r * (1 - eps) * rows.cw_y, 0)
-    s_coef = r * eps / vocab
+    cw_sum = vocab if cw is None else cw.sum()
+    p_coef, t_coef, s_coef = row_coefficients(g_loss, g_lse, lse_N, rows, cw_sum, opts, vocab)
     contract_w = 0 if cfg.weight_layout == "VD" else 1
     cap = opts.softcap
 
@@ -163,7 +111,7 @@ def _bwd(cfg: ChunkedConfig, res, cotangents):
 
     # Padding rows get lse = inf, so their p = exp(s - inf) = 0 and they add nothing.
     per_row = ((x_ND, 0), (lse_N, jnp.inf), (p_coef, 0), (t_coef, 0), (s_coef, 0), (rows.safe_y, 0))
-    xs = tuple(_chunks(a, n_rows, cfg.chunk_rows, fill) for a, fill in per_row)
+    xs = tuple(row_blocks(a, n_rows, cfg.chunk_rows, fill) for a, fill in per_row)
     init = (jnp.zeros(W.shape, W.dtype if cfg.accumulate_in_input_dtype else dtype), jnp.zeros((vocab,), dtype))
     (dW, db), dx = jax.lax.scan(chunk, init, xs)
     dx_ND = dx.reshape(-1, x_ND.shape[1])[:n_rows]

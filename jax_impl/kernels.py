@@ -1,0 +1,169 @@
+"""Pallas kernels over one block of logits z [R, C] (R rows, C vocabulary columns at
+column offset v0): the row-wise work between the matrix products, as in
+`torch_impl.kernels`.
+
+- `block_stats`: merges the block into running per-row statistics (m, l, s_y, ws), so
+  lse = m + log(l) once every column block of the rows has been seen.
+- `block_grad`: rewrites the block as dz (interop/SPEC.md) from per-row lse and the
+  coefficients (P, T, S), in place (the output aliases z).
+
+One program per row, looping over its columns. Both use the Triton lowering of
+`pallas_call` (masked loads over a vocabulary that is no power of two), which exists in
+JAX 0.10 and 0.11; JAX 0.11 deprecates it in favour of Mosaic GPU, and the warning it
+emits at lowering is silenced here: it concerns this library, not its users.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+BLOCK_C = 2048
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+
+def interpret_mode() -> bool:
+    """Pallas interpret mode on any backend other than a GPU."""
+    return jax.default_backend() != "gpu"
+
+
+def kernels_can_run() -> bool:
+    """The kernels run on a GPU, and in interpret mode on a CPU when asked (tests)."""
+    return jax.default_backend() == "gpu" or os.environ.get("LOGITLESS_PALLAS_INTERPRET") == "1"
+
+
+def _tanh(u):
+    return 1.0 - 2.0 / (jnp.exp(2.0 * u) + 1.0)
+
+
+def _capped(z_ref, b_ref, row, v0, start, block, mask, cap):
+    s = plt.load(z_ref.at[row, pl.ds(start, block)], mask=mask, other=0.0).astype(jnp.float32)
+    if b_ref is not None:
+        s = s + plt.load(b_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
+    if cap is not None:
+        s = cap * _tanh(s / cap)
+    return s
+
+
+def _store_scalar(ref, row, value):
+    plt.store(ref.at[pl.ds(row, 1)], jnp.reshape(value, (1,)))
+
+
+def _load_scalar(ref, row):
+    return plt.load(ref.at[pl.ds(row, 1)])[0]
+
+
+def _stats_kernel(v0_ref, z_ref, *refs, C, cap, has_bias, has_cw, need_ws, block):
+    b_ref = refs[0] if has_bias else None
+    cw_ref = refs[int(has_bias)] if has_cw else None
+    y_ref, m_in, l_in, sy_in, ws_in, m_out, l_out, sy_out, ws_out = refs[int(has_bias) + int(has_cw):]
+    row = pl.program_id(0)
+    v0 = _load_scalar(v0_ref, 0)
+    y = _load_scalar(y_ref, row) - v0
+    ninf = jnp.float32(-jnp.inf)
+
+    def body(i, carry):
+        m_vec, l_vec, sy_vec, ws_vec = carry
+        start = i * block
+        offs = start + jnp.arange(block)
+        mask = offs < C
+        s = _capped(z_ref, b_ref, row, v0, start, block, mask, cap)
+        s_in = jnp.where(mask, s, ninf)
+        m_new = jnp.maximum(m_vec, s_in)
+        m_safe = jnp.where(m_new == ninf, 0.0, m_new)
+        l_vec = l_vec * jnp.exp(m_vec - m_safe) + jnp.exp(s_in - m_safe)
+        sy_vec = sy_vec + jnp.where(offs == y, s, 0.0)
+        if need_ws:
+            if cw_ref is not None:
+                s = s * plt.load(cw_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
+            ws_vec = ws_vec + jnp.where(mask, s, 0.0)
+        return m_new, l_vec, sy_vec, ws_vec
+
+    zeros = jnp.zeros((block,), jnp.float32)
+    init = (jnp.full((block,), ninf), zeros, zeros, zeros)
+    m_vec, l_vec, sy_vec, ws_vec = jax.lax.fori_loop(0, pl.cdiv(C, block), body, init)
+    m_old = _load_scalar(m_in, row)
+    m = jnp.maximum(m_old, jnp.max(m_vec))
+    m_safe = jnp.where(m == ninf, 0.0, m)
+    l_blk = jnp.sum(jnp.where(m_vec == ninf, 0.0, l_vec * jnp.exp(m_vec - m_safe)))
+    _store_scalar(l_out, row, _load_scalar(l_in, row) * jnp.exp(m_old - m_safe) + l_blk)
+    _store_scalar(m_out, row, m)
+    _store_scalar(sy_out, row, _load_scalar(sy_in, row) + jnp.sum(sy_vec))
+    _store_scalar(ws_out, row, _load_scalar(ws_in, row) + jnp.sum(ws_vec))
+
+
+def _grad_kernel(v0_ref, z_ref, *refs, C, cap, has_bias, has_cw, block):
+    b_ref = refs[0] if has_bias else None
+    cw_ref = refs[int(has_bias)] if has_cw else None
+    y_ref, lse_ref, p_ref, t_ref, s_ref, dz_ref = refs[int(has_bias) + int(has_cw):]
+    row = pl.program_id(0)
+    v0 = _load_scalar(v0_ref, 0)
+    y = _load_scalar(y_ref, row) - v0
+    lse, p_coef = _load_scalar(lse_ref, row), _load_scalar(p_ref, row)
+    t_coef, s_coef = _load_scalar(t_ref, row), _load_scalar(s_ref, row)
+
+    def body(i, carry):
+        start = i * block
+        offs = start + jnp.arange(block)
+        mask = offs < C
+        s = _capped(z_ref, b_ref, row, v0, start, block, mask, cap)
+        dz = p_coef * jnp.exp(s - lse) - jnp.where(offs == y, t_coef, 0.0)
+        if cw_ref is not None:
+            dz = dz - s_coef * plt.load(cw_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
+        else:
+            dz = dz - s_coef
+        if cap is not None:
+            t = s / cap
+            dz = dz * (1.0 - t * t)
+        plt.store(dz_ref.at[row, pl.ds(start, block)], dz.astype(dz_ref.dtype), mask=mask)
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(C, block), body, 0)
+
+
+def _block(C: int) -> int:
+    return min(BLOCK_C, pl.next_power_of_2(C))
+
+
+def _extras(b_V, cw_V):
+    return [a for a in (b_V, cw_V) if a is not None]
+
+
+def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool):
+    """Merge logits block z [R, C] (columns v0..v0+C; v0 an int32 [1] array) into the
+    running statistics `stats` = (m, l, s_y, ws), each fp32 [R]; returns the new ones."""
+    R, C = z_RC.shape
+    kernel = functools.partial(_stats_kernel, C=C, cap=softcap, has_bias=b_V is not None, has_cw=cw_V is not None,
+                               need_ws=need_ws, block=_block(C))
+    args = [v0, z_RC, *_extras(b_V, cw_V), y_R, *stats]
+    first_stat = len(args) - 4
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((R,), jnp.float32)] * 4,
+        grid=(R,),
+        input_output_aliases={first_stat + k: k for k in range(4)},
+        interpret=interpret_mode(),
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
+    )(*args)
+
+
+def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap):
+    """dz [R, C] (z's dtype, written over z) for logits block z (columns v0..v0+C)."""
+    R, C = z_RC.shape
+    kernel = functools.partial(_grad_kernel, C=C, cap=softcap, has_bias=b_V is not None, has_cw=cw_V is not None,
+                               block=_block(C))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((R, C), z_RC.dtype),
+        grid=(R,),
+        input_output_aliases={1: 0},
+        interpret=interpret_mode(),
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
+    )(v0, z_RC, *_extras(b_V, cw_V), y_R, lse_R, p_R, t_R, s_R)

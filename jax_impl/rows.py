@@ -1,0 +1,86 @@
+"""Per-row pieces of the spec (interop/SPEC.md) that every JAX path shares: target facts,
+the loss from per-row statistics (lse, s_y, ws = sum_j cw_j s_j), the gradient
+coefficients (P, T, S) with ds_ij = P_i p_ij - T_i [j == y_i] - S_i cw_j, and the row
+padding of the block loops."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from interop.options import CrossEntropyOptions
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """fp32 for 16- and 32-bit inputs, fp64 for fp64."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+@dataclasses.dataclass
+class TargetRows:
+    """Per-row target facts, all [N]: safe_y (0 where out of range), valid (not
+    ignore_index), in_range, bad (valid but out of range), cw_y (cw[y], 0 if ignored)."""
+
+    safe_y: jax.Array
+    valid: jax.Array
+    in_range: jax.Array
+    bad: jax.Array
+    cw_y: jax.Array
+
+    @classmethod
+    def build(cls, y_N, cw_V, vocab: int, ignore_index: int, dtype) -> "TargetRows":
+        valid = y_N != ignore_index
+        in_range = (y_N >= 0) & (y_N < vocab)
+        safe_y = jnp.where(in_range, y_N, 0)
+        cw_y = jnp.ones(y_N.shape, dtype) if cw_V is None else cw_V.astype(dtype)[safe_y]
+        return cls(safe_y, valid, in_range, valid & ~in_range, jnp.where(valid, cw_y, 0))
+
+
+def row_loss(lse, s_y, ws, rows: TargetRows, opts: CrossEntropyOptions, cw_sum, vocab: int):
+    """Per-row loss [N] (0 for ignored rows, NaN for out-of-range targets); ws is only read
+    with label smoothing; cw_sum = sum_j cw_j (V without class weights)."""
+    eps = opts.label_smoothing
+    loss = (1 - eps) * rows.cw_y * (lse - s_y)
+    if eps:
+        loss = loss + eps * (cw_sum * lse - ws) / vocab
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse * lse
+    loss = jnp.where(rows.bad, jnp.nan, loss)
+    return jnp.where(rows.valid, loss, 0)
+
+
+def reduce_loss(loss_N, rows: TargetRows, reduction: str):
+    """none: loss_N; sum; mean: divided by the valid rows' summed class weight."""
+    if reduction == "sum":
+        return loss_N.sum()
+    if reduction == "mean":
+        return loss_N.sum() / rows.cw_y.sum()
+    return loss_N
+
+
+def row_coefficients(g_loss, g_lse, lse, rows: TargetRows, cw_sum, opts: CrossEntropyOptions, vocab: int):
+    """(P, T, S), each [N] in lse's dtype. g_loss: upstream gradient of the reduced loss
+    (0-d) or of each row ([N] for "none"); g_lse: of lse ([N]) or None. T is 0 where the
+    target is out of range; P is NaN there, so those rows' gradients are NaN."""
+    eps, dtype = opts.label_smoothing, lse.dtype
+    g = g_loss.astype(dtype)
+    if opts.reduction == "mean":
+        g = g / rows.cw_y.sum()
+    r = jnp.where(rows.valid, jnp.broadcast_to(g, lse.shape), 0)
+    p_coef = r * ((1 - eps) * rows.cw_y + eps * cw_sum / vocab + 2 * opts.z_loss * lse)
+    if g_lse is not None:
+        p_coef = p_coef + g_lse.astype(dtype)
+    p_coef = jnp.where(rows.bad, jnp.nan, p_coef)
+    t_coef = jnp.where(rows.in_range, r * (1 - eps) * rows.cw_y, 0)
+    return p_coef, t_coef, r * eps / vocab
+
+
+def row_blocks(a, n_rows: int, block_rows: int, fill):
+    """[N, ...] -> [N_blocks, R, ...], padding the last block with `fill`."""
+    n_blocks = -(-n_rows // block_rows)
+    pad = n_blocks * block_rows - n_rows
+    if pad:
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+    return a.reshape((n_blocks, block_rows) + a.shape[1:])
