@@ -26,13 +26,13 @@ STRATEGIES = ("speed", "memory")
 @pytest.fixture(params=["default-blocks", "small-blocks"])
 def blocks(request, monkeypatch):
     """Default block sizes, and small ones so medium shapes span several row and column blocks."""
-    import torch_impl.blocked
+    import interop.blocking
 
     if request.param == "small-blocks":
-        monkeypatch.setattr(torch_impl.blocked, "MIN_BLOCK", 64)
-        monkeypatch.setattr(torch_impl.blocked, "MIN_MEMORY_BLOCK", (64, 64))
-        monkeypatch.setattr(torch_impl.blocked, "SPEED_BLOCK_ELEMENTS", 300 * 5003)
-        monkeypatch.setattr(torch_impl.blocked, "MEMORY_FRACTION", 0.01)
+        monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 64)
+        monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (64, 64))
+        monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 300 * 5003)
+        monkeypatch.setattr(interop.blocking, "MEMORY_FRACTION", 0.01)
     return request.param
 
 

@@ -37,12 +37,12 @@ def small_chunks(monkeypatch):
     memory: blocks of 4 rows x 8 to 12 columns.
     """
     import interop.options
-    import torch_impl.blocked
+    import interop.blocking
 
     monkeypatch.setattr(interop.options, "MIN_CHUNK_ROWS", 1)
-    monkeypatch.setattr(torch_impl.blocked, "MIN_BLOCK", 4)
-    monkeypatch.setattr(torch_impl.blocked, "MIN_MEMORY_BLOCK", (4, 4))
-    monkeypatch.setattr(torch_impl.blocked, "SPEED_BLOCK_ELEMENTS", 5 * 53)
+    monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 4)
+    monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (4, 4))
+    monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 5 * 53)
 
 
 def check_against_reference(result, ref, dtype, logit_scale=1.0, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):

@@ -23,16 +23,10 @@ import math
 
 import torch
 
+from interop.blocking import block_shape
 from interop.options import CrossEntropyOptions
 from torch_impl.kernels import block_grad_, block_stats_
 from torch_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loss
-
-STRATEGIES = ("auto", "speed", "memory")
-SPEED_BLOCK_ELEMENTS = 1 << 28  # logits per block for "speed" (512 MiB in bf16): fewer passes over the fp32 dW
-MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
-MIN_BLOCK = 128  # rows or columns of a block, at the least
-MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
-
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
@@ -44,30 +38,13 @@ class BlockPlan:
     accumulate_dtype: torch.dtype
 
 
-def _round_down(n: int, multiple: int) -> int:
-    return max(multiple, n // multiple * multiple)
-
-
 def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool) -> BlockPlan:
-    """The block sizes of a concrete ("speed" or "memory") strategy for these sizes."""
+    """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory"."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    acc = dtype if accumulate_in_input_dtype else torch.float32
+    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize)
     if strategy == "speed":
-        rows = _round_down(SPEED_BLOCK_ELEMENTS // vocab, MIN_BLOCK)
-        return BlockPlan("speed", max(1, min(n_rows, rows)), vocab, acc)
-    budget = MEMORY_FRACTION * (n_rows + vocab) * hidden * itemsize
-    min_rows, min_cols = (max(MIN_BLOCK, m) for m in MIN_MEMORY_BLOCK)
-    rows = max(min_rows, _round_down(int(budget / 2 / (hidden * 4)), MIN_BLOCK))
-    rows = max(1, min(n_rows, rows))
-    cols = min(vocab, max(min_cols, _round_down(int(budget / 2 / (rows * itemsize)), MIN_BLOCK)))
+        return BlockPlan("speed", rows, cols, dtype if accumulate_in_input_dtype else torch.float32)
     return BlockPlan("memory", rows, cols, dtype)
-
-
-def speed_plan_extra_bytes(n_rows: int, hidden: int, vocab: int, dtype: torch.dtype) -> int:
-    """Bytes the "speed" strategy needs beyond the gradients (fp32 dW and one logits block)."""
-    plan = plan_blocks("speed", n_rows, hidden, vocab, dtype, False)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return vocab * hidden * 4 + plan.block_rows * vocab * itemsize
 
 
 def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

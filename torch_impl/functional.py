@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from interop.blocking import speed_extra_bytes
 from interop.options import CrossEntropyOptions, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
 from torch_impl.chunked import ChunkedLinearCrossEntropy
 
@@ -44,7 +45,8 @@ def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vo
     if not x.is_cuda:
         return "chunked"
     free, _ = torch.cuda.mem_get_info(x.device)
-    return "speed" if blocked.speed_plan_extra_bytes(n_rows, hidden, vocab, x.dtype) <= 0.25 * free else "memory"
+    extra = speed_extra_bytes(n_rows, hidden, vocab, x.element_size())
+    return "speed" if extra <= 0.25 * free else "memory"
 
 
 @torch.compiler.disable

@@ -1,0 +1,263 @@
+"""Hugging Face causal LMs whose training loss never builds the [B, T, V] logits.
+
+    from torch_impl.transformers import patch_causal_lm, unpatch_causal_lm
+
+    model = patch_causal_lm(AutoModelForCausalLM.from_config(config))  # or patch a class
+    loss = model(input_ids, labels=labels).loss                       # model.train()
+
+`patch_causal_lm` replaces the ``forward`` of one model, or of a model class (every
+instance, new or old, then runs it). The patched forward, in train mode with ``labels``,
+runs the decoder (``self.model``) for the final hidden states [B, T, D] and computes the
+loss of ``transformers``' ``ForCausalLMLoss`` with `torch_impl.linear_cross_entropy` from
+them and ``lm_head.weight`` [V, D] (+ ``lm_head.bias``), Gemma's
+``config.final_logit_softcapping`` as ``softcap``. It returns the model's
+``CausalLMOutputWithPast`` (or its tuple for ``return_dict=False``) with ``logits=None``.
+In eval mode, or without labels, it calls the original forward unchanged.
+
+The loss is ForCausalLMLoss's: targets are ``labels`` shifted left by one with
+``ignore_index`` appended (or the ``shift_labels`` keyword as given); ``ignore_index``
+(default -100) as a keyword; ``num_items_in_batch`` given (gradient accumulation) makes it
+the fp32 sum over the valid targets divided by ``num_items_in_batch``, else their mean.
+A custom ``model.loss_function`` is not called by the fused path.
+
+``logits_to_keep`` chooses which positions get logits; the fused path builds none, so it
+computes the loss over every position, as the original does with the default
+``logits_to_keep=0``; any other value raises ValueError in the fused path (in eval mode or
+without labels it reaches the original forward as usual).
+
+Covered families are those of ``_FAMILIES`` that the installed transformers has
+(``SUPPORTED_MODELS`` lists their classes); a subclass that does not override ``forward``
+counts as its base class.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import types
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
+
+from torch_impl.functional import linear_cross_entropy
+
+__all__ = ["patch_causal_lm", "unpatch_causal_lm", "SUPPORTED_MODELS"]
+
+
+class _Family(NamedTuple):
+    """A causal-LM class of transformers and the config attribute of its final-logit softcap."""
+
+    module: str
+    class_name: str
+    softcap_attr: str | None = None
+
+
+_FAMILIES = {
+    "Llama": _Family("transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
+    "Mistral": _Family("transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
+    "Qwen2": _Family("transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
+    "Qwen3": _Family("transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+    "Gemma 2": _Family("transformers.models.gemma2.modeling_gemma2", "Gemma2ForCausalLM", "final_logit_softcapping"),
+    "Gemma 3": _Family("transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM", "final_logit_softcapping"),
+    "Phi-3": _Family("transformers.models.phi3.modeling_phi3", "Phi3ForCausalLM"),
+}
+
+_ORIGINAL = "_logitless_original"  # attribute of a patched forward: the forward it replaced
+
+
+def _installed_classes() -> dict[type, str]:
+    """The covered classes of the installed transformers -> their family (a key of
+    ``_FAMILIES``); families it lacks are left out."""
+    classes = {}
+    for name, family in _FAMILIES.items():
+        try:
+            classes[getattr(importlib.import_module(family.module), family.class_name)] = name
+        except (ImportError, AttributeError):
+            continue
+    return classes
+
+
+_CLASSES = _installed_classes()
+SUPPORTED_MODELS: tuple[str, ...] = tuple(cls.__name__ for cls in _CLASSES)
+
+
+def _original(forward):
+    """The forward that a patched ``forward`` replaced; ``forward`` itself when unpatched."""
+    return getattr(forward, _ORIGINAL, forward)
+
+
+def _base_class(cls: type) -> type:
+    """The covered class whose forward ``cls`` runs, or ValueError naming ``cls``."""
+    forward = _original(getattr(cls, "forward", None))
+    for base in _CLASSES:
+        if issubclass(cls, base) and forward is _original(vars(base)["forward"]):
+            return base
+    covered = ", ".join(f"{name} ({cls.__name__})" for cls, name in _CLASSES.items())
+    raise ValueError(f"{cls.__qualname__} is not a causal LM that logitless can patch; covered: {covered}")
+
+
+def shift_targets(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """ForCausalLMLoss's targets: labels [..., T] (int) -> [..., T], position t gets
+    labels[..., t + 1] and the last position ``ignore_index``."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor,
+    *,
+    softcap: float | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **_,
+) -> torch.Tensor:
+    """``ForCausalLMLoss(softcap(lm_head(hidden_states)), labels, ...)`` without the logits.
+
+    Args:
+        hidden_states: [B, T, D] final hidden states, the head's dtype.
+        lm_head: the head, weight [V, D] and optional bias [V].
+        labels: [B, T] int token ids or ``ignore_index``.
+        softcap: c for c * tanh(logits / c), or None.
+        num_items_in_batch: None for the mean over valid targets; else the loss is their sum
+            divided by it (an int or a tensor).
+        ignore_index: the target value that adds nothing.
+        shift_labels: [B, T] targets to use as given instead of the shifted ``labels``.
+        **_: the model's other keywords, which ForCausalLMLoss ignores too.
+
+    Returns:
+        The fp32 scalar loss.
+    """
+    if shift_labels is None:
+        shift_labels = shift_targets(labels, ignore_index)
+    loss = linear_cross_entropy(
+        hidden_states.reshape(-1, hidden_states.shape[-1]),
+        lm_head.weight,
+        shift_labels.reshape(-1).to(hidden_states.device),
+        linear_bias=lm_head.bias,
+        reduction="mean" if num_items_in_batch is None else "sum",
+        ignore_index=ignore_index,
+        softcap=softcap,
+    )
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+@can_return_tuple
+def _fused_loss_forward(
+    self,
+    softcap_attr: str | None,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs,
+) -> CausalLMOutputWithPast:
+    """The covered classes' forward (same arguments after ``softcap_attr``, the config
+    attribute of the softcap or None) with `causal_lm_loss` in place of the head and
+    ForCausalLMLoss: the output has the loss and ``logits=None``."""
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError("logits_to_keep must be 0 when the loss is fused: no logits are built")
+    if not isinstance(self.lm_head, nn.Linear):
+        raise TypeError(f"the fused loss needs an nn.Linear lm_head, not {type(self.lm_head).__name__}")
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    softcap = None if softcap_attr is None else getattr(self.config, softcap_attr)
+    return CausalLMOutputWithPast(
+        loss=causal_lm_loss(outputs.last_hidden_state, self.lm_head, labels, softcap=softcap, **kwargs),
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+def _patched(original, softcap_attr: str | None):
+    """A forward that runs `_fused_loss_forward` in train mode with labels, else ``original``
+    (a function of (self, ...)) with the arguments as given."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        labels = signature.bind(self, *args, **kwargs).arguments.get("labels")
+        if self.training and labels is not None:
+            return _fused_loss_forward(self, softcap_attr, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    setattr(forward, _ORIGINAL, original)
+    return forward
+
+
+def _own_forward(obj):
+    """The ``forward`` that ``obj`` (a class or a module) holds itself, else None; a bound
+    method comes back as its function."""
+    forward = vars(obj).get("forward")
+    return forward.__func__ if isinstance(forward, types.MethodType) else forward
+
+
+def patch_causal_lm(model_or_class):
+    """Make a covered causal LM, or every instance of a covered class, compute its training
+    loss without the logits (see the module's docstring).
+
+    Args:
+        model_or_class: a model instance (nn.Module) or a class of ``SUPPORTED_MODELS``
+            (or a subclass that does not override ``forward``).
+
+    Returns:
+        ``model_or_class``, patched in place; patching it again changes nothing.
+
+    Raises:
+        ValueError: for another model or class, naming it and the covered families, or for
+            an instance that holds a ``forward`` of its own (e.g. an accelerate hook).
+    """
+    is_class = isinstance(model_or_class, type)
+    cls = model_or_class if is_class else type(model_or_class)
+    softcap_attr = _FAMILIES[_CLASSES[_base_class(cls)]].softcap_attr
+    if hasattr(cls.forward, _ORIGINAL) or hasattr(_own_forward(model_or_class), _ORIGINAL):
+        return model_or_class
+    if is_class:
+        cls.forward = _patched(cls.forward, softcap_attr)
+    elif _own_forward(model_or_class) is not None:
+        raise ValueError(f"this {cls.__name__} has a forward of its own (a hook?); patch {cls.__name__} instead")
+    else:
+        model_or_class.forward = types.MethodType(_patched(cls.forward, softcap_attr), model_or_class)
+    return model_or_class
+
+
+def unpatch_causal_lm(model_or_class):
+    """Undo `patch_causal_lm` on the same object: ``forward`` is again exactly the original.
+
+    Returns:
+        ``model_or_class``.
+
+    Raises:
+        ValueError: if ``model_or_class`` itself was not patched (e.g. an instance whose
+            class was patched: unpatch the class).
+    """
+    patched = _own_forward(model_or_class)
+    if not hasattr(patched, _ORIGINAL):
+        name = model_or_class.__name__ if isinstance(model_or_class, type) else f"this {type(model_or_class).__name__}"
+        raise ValueError(f"{name} is not patched by patch_causal_lm")
+    del model_or_class.forward
+    if isinstance(model_or_class, type) and model_or_class.forward is not getattr(patched, _ORIGINAL):
+        model_or_class.forward = getattr(patched, _ORIGINAL)
+    return model_or_class
