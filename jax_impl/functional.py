@@ -6,8 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from interop.blocking import speed_extra_bytes
 from interop.options import CrossEntropyOptions, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
 from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy
+
+try:
+    from jax_impl import blocked, kernels
+except ImportError:  # no Pallas: the chunked path serves every call
+    blocked = kernels = None
 
 
 def _dtype_name(a) -> str:
@@ -26,6 +32,21 @@ def _check_target_range(y_N, vocab: int, ignore_index: int) -> None:
     bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
     if bad.any():
         raise ValueError(target_out_of_range_message(int(y[bad][0]), vocab, ignore_index))
+
+
+def choose_strategy(strategy: str, dtype, n_rows: int, hidden: int, vocab: int) -> str:
+    """Resolve "auto" and route to "chunked" where the Pallas kernels can't run (no GPU
+    unless LOGITLESS_PALLAS_INTERPRET=1, or fp64)."""
+    if strategy == "chunked" or kernels is None or not kernels.kernels_can_run() or jnp.dtype(dtype) == jnp.float64:
+        return "chunked"
+    if strategy != "auto":
+        return strategy
+    if jax.default_backend() != "gpu":
+        return "chunked"
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    extra = speed_extra_bytes(n_rows, hidden, vocab, jnp.dtype(dtype).itemsize)
+    return "speed" if extra <= 0.25 * free else "memory"
 
 
 def linear_cross_entropy(
@@ -61,8 +82,7 @@ def linear_cross_entropy(
         weight: optional [V] class weights.
         reduction, ignore_index, label_smoothing, z_loss, softcap: see interop/SPEC.md.
         return_lse: also return the per-row logsumexp [...] (differentiable).
-        strategy: "auto", "speed", "memory" or "chunked" (interop.options.check_strategy);
-            every strategy runs the chunked XLA path until the Pallas kernels land.
+        strategy: "auto", "speed", "memory" or "chunked" (interop.options.check_strategy).
         accumulate_in_input_dtype: accumulate grad_weight in the input dtype rather than fp32.
 
     Returns:
@@ -88,10 +108,18 @@ def linear_cross_entropy(
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     y_N = target.reshape(shape.n_rows)
     _check_target_range(y_N, shape.vocab, opts.ignore_index)
-    cfg = ChunkedConfig(
-        opts, weight_layout, default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype
-    )
-    loss, lse_N = chunked_linear_cross_entropy(x_ND, linear_weight, linear_bias, weight, y_N, cfg)
+    strategy = choose_strategy(strategy, x_ND.dtype, shape.n_rows, shape.hidden, shape.vocab)
+    if strategy == "chunked":
+        cfg = ChunkedConfig(
+            opts, weight_layout, default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype
+        )
+        loss, lse_N = chunked_linear_cross_entropy(x_ND, linear_weight, linear_bias, weight, y_N, cfg)
+    else:
+        cfg = blocked.plan(opts, weight_layout, strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype,
+                           accumulate_in_input_dtype, return_lse)
+        loss, lse_N = blocked.blocked_linear_cross_entropy(
+            x_ND, linear_weight, linear_bias, weight, y_N.astype(jnp.int32), cfg
+        )
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)
     if return_lse:

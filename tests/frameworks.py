@@ -227,5 +227,6 @@ class JaxAdapter:
 
 def cpu_implementations() -> dict:
     """Every implementation that runs on this machine, by name (kernels in interpret mode)."""
-    adapters = (TorchAdapter("chunked"), TorchAdapter("speed"), TorchAdapter("memory"), JaxAdapter("chunked"))
+    adapters = (TorchAdapter("chunked"), TorchAdapter("speed"), TorchAdapter("memory"),
+                JaxAdapter("chunked"), JaxAdapter("speed"), JaxAdapter("memory"))
     return {a.name: a for a in adapters}

@@ -1,0 +1,221 @@
+"""The GPU path for JAX: blocks of logits from XLA's matrix products, turned into
+statistics and dz by the Pallas kernels of `jax_impl.kernels`; the same strategies and
+blocks (interop.blocking) as `torch_impl.blocked`.
+
+- "speed": blocks of whole rows. When the loss is reduced and no lse is returned, the
+  custom_vjp's forward rule (which runs only under differentiation) forms the gradients
+  block by block (6 N D V flops) and the backward rule scales them; grad_weight is
+  accumulated in fp32 (or the input dtype with accumulate_in_input_dtype).
+- "memory": blocks of rows and vocabulary columns; the backward rule recomputes the
+  logits (8 N D V flops); grad_input of a row block is accumulated in fp32 over its
+  column blocks, grad_weight in the input dtype.
+A call that takes no gradient runs the primal, which only computes the statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from interop.blocking import block_shape
+from interop.options import CrossEntropyOptions
+from jax_impl.kernels import block_grad, block_stats
+from jax_impl.rows import TargetRows, reduce_loss, row_blocks, row_coefficients, row_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockedConfig:
+    """Static configuration of one call (hashable: a nondiff argument of the custom_vjp)."""
+
+    options: CrossEntropyOptions
+    weight_layout: str
+    strategy: str
+    block_rows: int
+    block_cols: int
+    accumulate_in_input_dtype: bool
+    return_lse: bool
+
+    @property
+    def grads_in_forward(self) -> bool:
+        return self.strategy == "speed" and self.options.reduction != "none" and not self.return_lse
+
+
+def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype, return_lse) -> BlockedConfig:
+    rows, cols = block_shape(strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize)
+    return BlockedConfig(options, weight_layout, strategy, rows, cols, accumulate_in_input_dtype, return_lse)
+
+
+class _Problem:
+    """The operands of one call and what every block needs from them."""
+
+    def __init__(self, x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
+        self.x, self.W, self.b, self.cfg = x_ND, W, b_V, cfg
+        self.vd = cfg.weight_layout == "VD"
+        self.vocab = W.shape[0] if self.vd else W.shape[1]
+        self.cw = None if cw_V is None else cw_V.astype(jnp.float32)
+        self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
+        self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, jnp.float32)
+
+    def head_cols(self, v0, cols: int):
+        """W's vocabulary columns v0..v0+cols ([cols, D] for "VD", [D, cols] for "DV")."""
+        axis = 0 if self.vd else 1
+        if isinstance(v0, int):
+            return jax.lax.slice_in_dim(self.W, v0, v0 + cols, axis=axis)
+        return jax.lax.dynamic_slice_in_dim(self.W, v0, cols, axis=axis)
+
+    def logits(self, x_RD, W_c):
+        """z [R, cols] = x W_c^T (no bias) in the input dtype, accumulated in fp32."""
+        dims = (((1,), (1 if self.vd else 0,)), ((), ()))
+        return jax.lax.dot_general(x_RD, W_c, dims, preferred_element_type=jnp.float32).astype(x_RD.dtype)
+
+    def grad_input_share(self, dz, W_c):
+        """dz W_c: [R, D] in fp32."""
+        dims = (((1,), (0 if self.vd else 1,)), ((), ()))
+        return jax.lax.dot_general(dz, W_c, dims, preferred_element_type=jnp.float32)
+
+    def grad_weight_share(self, dz, x_RD):
+        """dz^T x ([cols, D]) or x^T dz ([D, cols]) in fp32."""
+        if self.vd:
+            return jax.lax.dot_general(dz, x_RD, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(x_RD, dz, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def col_loop(self, body, carry):
+        """carry = body(v0, cols, carry) over the column blocks: a loop over the full blocks
+        (v0 traced) and one call for the remainder (static)."""
+        cols = self.cfg.block_cols
+        n_full, rest = divmod(self.vocab, cols)
+        if n_full == 1 and not rest:
+            return body(0, cols, carry)
+        carry = jax.lax.fori_loop(0, n_full, lambda i, c: body(i * cols, cols, c), carry)
+        return body(n_full * cols, rest, carry) if rest else carry
+
+
+def _v0_array(v0):
+    return jnp.asarray(v0, jnp.int32).reshape(1)
+
+
+def _stats_of_block(prob: _Problem, z, v0, y_R, stats):
+    opts = prob.cfg.options
+    return block_stats(z, _v0_array(v0), prob.b, prob.cw, y_R, stats, opts.softcap, opts.label_smoothing > 0)
+
+
+def _initial_stats(R: int):
+    """(m, l, s_y, ws) before any column: (-inf, 0, 0, 0), fp32 [R] each."""
+    zeros = jnp.zeros(R, jnp.float32)
+    return jnp.full((R,), -jnp.inf, jnp.float32), zeros, zeros, zeros
+
+
+def _stats(prob: _Problem, x_RD, y_R):
+    """(lse, s_y, ws) [R] of a row block, over all its column blocks."""
+    body = lambda v0, cols, stats: _stats_of_block(prob, prob.logits(x_RD, prob.head_cols(v0, cols)), v0, y_R, stats)
+    m, l, s_y, ws = prob.col_loop(body, _initial_stats(x_RD.shape[0]))
+    return m + jnp.log(l), s_y, ws
+
+
+def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
+    """(loss, lse [N], grads) where grads = (dx, dW, db) for an upstream gradient of 1 if
+    with_grads (whole-row blocks), else None."""
+    prob = _Problem(x_ND, W, b_V, cw_V, y_N, cfg)
+    rows, n, R = prob.rows, x_ND.shape[0], cfg.block_rows
+    opts = cfg.options
+    # The gradient of each row for an upstream gradient of 1: "mean" is "sum" scaled by
+    # 1 / (the valid rows' summed class weight), a global the row blocks can't see.
+    scale = 1.0 / rows.cw_y.sum() if opts.reduction == "mean" else jnp.float32(1.0)
+    per_row_opts = dataclasses.replace(opts, reduction="sum")
+
+    def row_step(carry, xs):
+        x_R, y_R, valid_R, bad_R, in_range_R, cw_y_R = xs
+        if not with_grads:
+            return carry, _stats(prob, x_R, y_R)
+        dW, db = carry  # whole rows: one block, its logits rewritten in place as dz
+        z = prob.logits(x_R, W)
+        m, l, s_y, ws = _stats_of_block(prob, z, 0, y_R, _initial_stats(x_R.shape[0]))
+        lse = m + jnp.log(l)
+        block_rows = TargetRows(y_R, valid_R, in_range_R, bad_R, cw_y_R)
+        coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
+        dz = block_grad(z, _v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap)
+        dx_R = prob.grad_input_share(dz, W).astype(x_R.dtype)
+        dW = dW + prob.grad_weight_share(dz, x_R).astype(dW.dtype)
+        return (dW, db + dz.astype(jnp.float32).sum(0)), (lse, s_y, ws, dx_R)
+
+    per_row = ((x_ND, 0), (rows.safe_y, 0), (rows.valid, False), (rows.bad, False), (rows.in_range, True), (rows.cw_y, 0))
+    xs = tuple(row_blocks(a, n, R, fill) for a, fill in per_row)
+    carry = None
+    if with_grads:
+        acc = W.dtype if cfg.accumulate_in_input_dtype else jnp.float32
+        carry = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
+    carry, outs = jax.lax.scan(row_step, carry, xs)
+    lse, s_y, ws = (a.reshape(-1)[:n] for a in outs[:3])
+    loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, prob.cw_sum, prob.vocab), rows, opts.reduction)
+    if not with_grads:
+        return loss, lse, None
+    dx = outs[3].reshape(-1, x_ND.shape[1])[:n]
+    dW, db = carry
+    return loss, lse, (dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype))
+
+
+def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig):
+    """(dx, dW, db) recomputing the logits block by block."""
+    prob = _Problem(x_ND, W, b_V, cw_V, y_N, cfg)
+    rows, n, R = prob.rows, x_ND.shape[0], cfg.block_rows
+    opts = cfg.options
+    p_coef, t_coef, s_coef = row_coefficients(g_loss, g_lse, lse_N, rows, prob.cw_sum, opts, prob.vocab)
+    axis = 0 if prob.vd else 1
+
+    def row_step(carry, xs):
+        x_R, y_R, lse_R, p_R, t_R, s_R = xs
+
+        def body(v0, cols, c):
+            dW, db, dx_acc = c
+            W_c = prob.head_cols(v0, cols)
+            dz = block_grad(prob.logits(x_R, W_c), _v0_array(v0), prob.b, prob.cw, y_R, lse_R, p_R, t_R, s_R, opts.softcap)
+            dx_acc = dx_acc + prob.grad_input_share(dz, W_c)
+            dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
+            dW = jax.lax.dynamic_update_slice_in_dim(dW, dW_c + prob.grad_weight_share(dz, x_R).astype(dW.dtype), v0, axis=axis)
+            db_c = jax.lax.dynamic_slice_in_dim(db, v0, cols) + dz.astype(jnp.float32).sum(0)
+            return dW, jax.lax.dynamic_update_slice_in_dim(db, db_c, v0, axis=0), dx_acc
+
+        dW, db = carry
+        dW, db, dx_acc = prob.col_loop(body, (dW, db, jnp.zeros(x_R.shape, jnp.float32)))
+        return (dW, db), dx_acc.astype(x_R.dtype)
+
+    # Padding rows have zero coefficients, so their dz is 0.
+    per_row = ((x_ND, 0), (rows.safe_y, 0), (lse_N, 0), (p_coef, 0), (t_coef, 0), (s_coef, 0))
+    xs = tuple(row_blocks(a, n, R, fill) for a, fill in per_row)
+    acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else jnp.float32
+    init = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
+    (dW, db), dx = jax.lax.scan(row_step, init, xs)
+    dx = dx.reshape(-1, x_ND.shape[1])[:n]
+    return dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def blocked_linear_cross_entropy(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
+    """(loss, lse [N]) over flattened rows x [N, D], y [N] (int32); fp32."""
+    loss, lse, _ = _forward(x_ND, W, b_V, cw_V, y_N, cfg, with_grads=False)
+    return loss, lse
+
+
+def _fwd(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
+    if cfg.grads_in_forward:
+        loss, lse, grads = _forward(x_ND, W, b_V, cw_V, y_N, cfg, with_grads=True)
+        return (loss, lse), grads
+    loss, lse, _ = _forward(x_ND, W, b_V, cw_V, y_N, cfg, with_grads=False)
+    return (loss, lse), (x_ND, W, b_V, cw_V, y_N, lse)
+
+
+def _bwd(cfg: BlockedConfig, res, cotangents):
+    g_loss, g_lse = cotangents
+    if cfg.grads_in_forward:  # lse is not returned to the caller: its cotangent is zero
+        dx, dW, db = res
+        scale = lambda g: None if g is None else (g * g_loss.astype(jnp.float32)).astype(g.dtype)
+        return scale(dx), scale(dW), scale(db), None, None
+    x_ND, W, b_V, cw_V, y_N, lse = res
+    dx, dW, db = _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse, cfg)
+    return dx, dW, db, None, None
+
+
+blocked_linear_cross_entropy.defvjp(_fwd, _bwd)
