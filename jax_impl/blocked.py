@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from interop.blocking import block_shape
 from interop.options import CrossEntropyOptions
 from jax_impl.kernels import block_grad, block_stats
+from jax_impl.matmul import contract
 from jax_impl.rows import TargetRows, reduce_loss, row_blocks, row_coefficients, row_loss
 
 
@@ -68,19 +69,15 @@ class _Problem:
 
     def logits(self, x_RD, W_c):
         """z [R, cols] = x W_c^T (no bias) in the input dtype, accumulated in fp32."""
-        dims = (((1,), (1 if self.vd else 0,)), ((), ()))
-        return jax.lax.dot_general(x_RD, W_c, dims, preferred_element_type=jnp.float32).astype(x_RD.dtype)
+        return contract(x_RD, W_c, 1, 1 if self.vd else 0).astype(x_RD.dtype)
 
     def grad_input_share(self, dz, W_c):
         """dz W_c: [R, D] in fp32."""
-        dims = (((1,), (0 if self.vd else 1,)), ((), ()))
-        return jax.lax.dot_general(dz, W_c, dims, preferred_element_type=jnp.float32)
+        return contract(dz, W_c, 1, 0 if self.vd else 1)
 
     def grad_weight_share(self, dz, x_RD):
         """dz^T x ([cols, D]) or x^T dz ([D, cols]) in fp32."""
-        if self.vd:
-            return jax.lax.dot_general(dz, x_RD, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return jax.lax.dot_general(x_RD, dz, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return contract(dz, x_RD, 0, 0) if self.vd else contract(x_RD, dz, 0, 0)
 
     def col_loop(self, body, carry):
         """carry = body(v0, cols, carry) over the column blocks: a loop over the full blocks

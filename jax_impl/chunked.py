@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from interop.options import CrossEntropyOptions
+from jax_impl.matmul import contract
 from jax_impl.rows import TargetRows, compute_dtype, reduce_loss, row_blocks, row_coefficients, row_loss
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class ChunkedConfig:
 def _capped_logits(x_CD, W, b_V, cfg: ChunkedConfig, dtype):
     """Soft-capped logits s [C, V] of one chunk, accumulated in `dtype`."""
     contract_w = 1 if cfg.weight_layout == "VD" else 0
-    z_CV = jax.lax.dot_general(x_CD, W, (((1,), (contract_w,)), ((), ())), preferred_element_type=dtype)
+    z_CV = contract(x_CD, W, 1, contract_w, dtype)
     if b_V is not None:
         z_CV = z_CV + b_V.astype(dtype)
     cap = cfg.options.softcap
@@ -101,11 +102,8 @@ def _bwd(cfg: ChunkedConfig, res, cotangents):
         if cap is not None:
             dz_CV = dz_CV * (1 - (s_CV / cap) ** 2)
         dz_in = dz_CV.astype(x_CD.dtype)
-        dx_CD = jax.lax.dot_general(dz_in, W, (((1,), (contract_w,)), ((), ())), preferred_element_type=dtype)
-        if cfg.weight_layout == "VD":
-            dW_C = jax.lax.dot_general(dz_in, x_CD, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
-        else:
-            dW_C = jax.lax.dot_general(x_CD, dz_in, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+        dx_CD = contract(dz_in, W, 1, contract_w, dtype)
+        dW_C = contract(dz_in, x_CD, 0, 0, dtype) if cfg.weight_layout == "VD" else contract(x_CD, dz_in, 0, 0, dtype)
         dW = dW + dW_C.astype(dW.dtype)
         return (dW, db + dz_CV.sum(0)), dx_CD.astype(x_CD.dtype)
 
