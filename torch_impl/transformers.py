@@ -25,9 +25,13 @@ computes the loss over every position, as the original does with the default
 ``logits_to_keep=0``; any other value raises ValueError in the fused path (in eval mode or
 without labels it reaches the original forward as usual).
 
-Covered families are those of ``_FAMILIES`` that the installed transformers has
+The head must be a plain ``nn.Linear`` (a wrapped one, e.g. LoRA on ``lm_head``, raises
+TypeError in the fused path rather than silently dropping the wrapper).
+
+Covered families: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text,
+``Gemma3ForCausalLM``) and Phi-3, those of them that the installed transformers has
 (``SUPPORTED_MODELS`` lists their classes); a subclass that does not override ``forward``
-counts as its base class.
+counts as its base class. Tested with transformers 4.57, 5.0 and 5.23.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def _installed_classes() -> dict[type, str]:
         try:
             classes[getattr(importlib.import_module(family.module), family.class_name)] = name
         except (ImportError, AttributeError):
-            continue
+            pass
     return classes
 
 
@@ -96,17 +100,17 @@ def _base_class(cls: type) -> type:
     for base in _CLASSES:
         if issubclass(cls, base) and forward is _original(vars(base)["forward"]):
             return base
-    covered = ", ".join(f"{name} ({cls.__name__})" for cls, name in _CLASSES.items())
+    covered = ", ".join(f"{family} ({known.__name__})" for known, family in _CLASSES.items())
     raise ValueError(f"{cls.__qualname__} is not a causal LM that logitless can patch; covered: {covered}")
 
 
-def shift_targets(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def _shift_targets(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """ForCausalLMLoss's targets: labels [..., T] (int) -> [..., T], position t gets
     labels[..., t + 1] and the last position ``ignore_index``."""
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def causal_lm_loss(
+def _causal_lm_loss(
     hidden_states: torch.Tensor,
     lm_head: nn.Linear,
     labels: torch.Tensor,
@@ -134,7 +138,7 @@ def causal_lm_loss(
         The fp32 scalar loss.
     """
     if shift_labels is None:
-        shift_labels = shift_targets(labels, ignore_index)
+        shift_labels = _shift_targets(labels, ignore_index)
     loss = linear_cross_entropy(
         hidden_states.reshape(-1, hidden_states.shape[-1]),
         lm_head.weight,
@@ -166,7 +170,7 @@ def _fused_loss_forward(
     **kwargs,
 ) -> CausalLMOutputWithPast:
     """The covered classes' forward (same arguments after ``softcap_attr``, the config
-    attribute of the softcap or None) with `causal_lm_loss` in place of the head and
+    attribute of the softcap or None) with `_causal_lm_loss` in place of the head and
     ForCausalLMLoss: the output has the loss and ``logits=None``."""
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         raise ValueError("logits_to_keep must be 0 when the loss is fused: no logits are built")
@@ -183,7 +187,7 @@ def _fused_loss_forward(
     )
     softcap = None if softcap_attr is None else getattr(self.config, softcap_attr)
     return CausalLMOutputWithPast(
-        loss=causal_lm_loss(outputs.last_hidden_state, self.lm_head, labels, softcap=softcap, **kwargs),
+        loss=_causal_lm_loss(outputs.last_hidden_state, self.lm_head, labels, softcap=softcap, **kwargs),
         logits=None,
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
@@ -237,7 +241,7 @@ def patch_causal_lm(model_or_class):
     if is_class:
         cls.forward = _patched(cls.forward, softcap_attr)
     elif _own_forward(model_or_class) is not None:
-        raise ValueError(f"this {cls.__name__} has a forward of its own (a hook?); patch {cls.__name__} instead")
+        raise ValueError(f"this {cls.__name__} has a forward of its own (an accelerate hook?): patch it before that is set")
     else:
         model_or_class.forward = types.MethodType(_patched(cls.forward, softcap_attr), model_or_class)
     return model_or_class

@@ -1,0 +1,198 @@
+"""torch_impl.transformers: a patched Hugging Face causal LM trains exactly like the original
+(loss and every gradient) without building the logits; otherwise it is the original."""
+
+import copy
+import inspect
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import torch_impl.transformers as patching  # noqa: E402
+from torch_impl.transformers import SUPPORTED_MODELS, patch_causal_lm, unpatch_causal_lm  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 101
+SOFTCAP = 1.0
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.2,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+CONFIGS = {  # model class -> (config class, options beyond COMMON)
+    "LlamaForCausalLM": ("LlamaConfig", {}),
+    "MistralForCausalLM": ("MistralConfig", {}),
+    "Qwen2ForCausalLM": ("Qwen2Config", {}),
+    "Qwen3ForCausalLM": ("Qwen3Config", {}),
+    "Gemma2ForCausalLM": ("Gemma2Config", {"final_logit_softcapping": SOFTCAP}),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", {"final_logit_softcapping": SOFTCAP}),
+    "Phi3ForCausalLM": ("Phi3Config", {}),
+}
+SOFTCAPPED = [name for name in SUPPORTED_MODELS if "final_logit_softcapping" in CONFIGS[name][1]]
+
+
+def make_model(name: str = "LlamaForCausalLM") -> nn.Module:
+    """A tiny randomly initialised fp32 model of class ``name`` (seed 0), in train mode."""
+    config_class, options = CONFIGS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(getattr(transformers, config_class)(**COMMON, **options))
+    return model.train()
+
+
+def make_batch() -> dict:
+    """input_ids [2, 9] (int64) and labels [2, 9] with four of them -100."""
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, VOCAB, (2, 9), generator=gen)
+    labels = input_ids.clone()
+    labels[0, :3] = -100
+    labels[1, 5] = -100
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def train_step(model: nn.Module, **inputs):
+    """(output, {parameter name: gradient}) of one forward + backward of ``output.loss``."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_same_training_step(reference: nn.Module, patched: nn.Module, **inputs) -> None:
+    """The patched model's loss and every gradient equal the reference's (fp32 tolerance); it has no logits."""
+    assert_same_step(train_step(reference, **inputs), train_step(patched, **inputs))
+
+
+def assert_same_step(reference_step: tuple, patched_step: tuple) -> None:
+    """`train_step` results: the same loss and gradients (fp32 tolerance), logits only in the reference's."""
+    (ref_out, ref_grads), (out, grads) = reference_step, patched_step
+    assert out.logits is None and ref_out.logits is not None
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=name)
+
+
+def test_the_installed_families_are_covered():
+    assert set(SUPPORTED_MODELS) <= set(CONFIGS) and "LlamaForCausalLM" in SUPPORTED_MODELS
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, torch.tensor(23)])
+@pytest.mark.parametrize("name", SUPPORTED_MODELS)
+def test_loss_and_gradients_match_the_original(name, num_items_in_batch):
+    reference = make_model(name)
+    patched = patch_causal_lm(copy.deepcopy(reference))
+    assert_same_training_step(reference, patched, **make_batch(), num_items_in_batch=num_items_in_batch)
+
+
+@pytest.mark.parametrize("name", SOFTCAPPED)
+def test_the_softcap_is_passed(name, monkeypatch):
+    reference = make_model(name)
+    batch = make_batch()
+    family = patching._CLASSES[type(reference)]
+    monkeypatch.setitem(patching._FAMILIES, family, patching._FAMILIES[family]._replace(softcap_attr=None))
+    uncapped = patch_causal_lm(copy.deepcopy(reference))
+    assert not torch.allclose(uncapped(**batch).loss, reference(**batch).loss, rtol=1e-3)
+
+
+def test_head_bias_shift_labels_and_ignore_index():
+    reference = make_model()
+    reference.lm_head = nn.Linear(32, VOCAB)
+    patched = patch_causal_lm(copy.deepcopy(reference))
+    batch = make_batch()
+    assert_same_training_step(reference, patched, **batch)
+    shifted = torch.roll(batch["labels"], 1, dims=1)
+    assert_same_training_step(reference, patched, **batch, shift_labels=shifted)
+    fives = batch["labels"].masked_fill(batch["labels"] == -100, 5)
+    assert_same_training_step(reference, patched, input_ids=batch["input_ids"], labels=fives, ignore_index=5)
+
+
+def test_return_dict_false_and_positional_arguments():
+    reference = make_model()
+    patched = patch_causal_lm(copy.deepcopy(reference))
+    batch = make_batch()
+    loss, *_ = patched(batch["input_ids"], None, labels=batch["labels"], return_dict=False)
+    torch.testing.assert_close(loss, reference(**batch).loss, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", SUPPORTED_MODELS)
+def test_eval_mode_and_no_labels_run_the_original(name):
+    reference = make_model(name)
+    patched = patch_causal_lm(copy.deepcopy(reference))
+    batch = make_batch()
+    for inputs in ({"input_ids": batch["input_ids"]}, batch):  # train mode, no labels; then eval mode
+        ref_out, out = reference(**inputs), patched(**inputs)
+        assert torch.equal(out.logits, ref_out.logits)
+        assert (out.loss is None and ref_out.loss is None) or torch.equal(out.loss, ref_out.loss)
+        reference.eval(), patched.eval()
+
+
+def test_fused_path_refuses_logits_to_keep_and_a_wrapped_head():
+    batch = make_batch()
+    patched = patch_causal_lm(make_model())
+    assert patched(**batch, logits_to_keep=0).logits is None
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        patched(**batch, logits_to_keep=1)
+    patched.lm_head = nn.Sequential(patched.lm_head)
+    with pytest.raises(TypeError, match="Sequential"):
+        patched(**batch)
+
+
+def test_unpatch_an_instance_restores_it_exactly():
+    model = make_model()
+    cls = type(model)
+    assert patch_causal_lm(model) is model and patch_causal_lm(model) is model
+    params = inspect.signature(model.forward).parameters
+    assert "logits_to_keep" in params and any(p.kind is p.VAR_KEYWORD for p in params.values())  # Trainer, generate
+    assert copy.deepcopy(model)(**make_batch()).logits is None
+    assert unpatch_causal_lm(model) is model
+    assert "forward" not in vars(model) and model.forward.__func__ is cls.forward
+    assert model(**make_batch()).logits is not None
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch_causal_lm(model)
+    model.forward = model.forward  # an instance-level forward, as accelerate's hooks set
+    with pytest.raises(ValueError, match="forward of its own"):
+        patch_causal_lm(model)
+
+
+def test_patch_a_class_then_unpatch_it():
+    cls = transformers.LlamaForCausalLM
+    original = vars(cls)["forward"]
+    subclass = type("Sub", (cls,), {})
+    reference_step = train_step(make_model(), **make_batch())
+    try:
+        assert patch_causal_lm(cls) is cls
+        model = make_model()  # made after the patch
+        assert_same_step(reference_step, train_step(model, **make_batch()))
+        assert patch_causal_lm(model) is model and "forward" not in vars(model)
+        with pytest.raises(ValueError, match="not patched"):
+            unpatch_causal_lm(model)
+        patch_causal_lm(subclass)
+        assert "forward" not in vars(subclass)  # it runs its base class's patched forward
+    finally:
+        unpatch_causal_lm(cls)
+    assert vars(cls)["forward"] is original
+    patch_causal_lm(subclass)
+    assert unpatch_causal_lm(subclass) is subclass and "forward" not in vars(subclass)
+
+
+def test_unknown_models_are_refused():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    overriding = type("MyLlama", (transformers.LlamaForCausalLM,), {"forward": lambda self, **kw: None})
+    for unknown, name in [(gpt2, "GPT2LMHeadModel"), (nn.Linear(2, 2), "Linear"), (overriding, "MyLlama")]:
+        with pytest.raises(ValueError, match=rf"{name} is not a causal LM .*Llama \(LlamaForCausalLM\)"):
+            patch_causal_lm(unknown)
+
+
+def test_the_finetuning_example_learns():
+    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    script = os.path.join(ROOT, "examples", "finetune_torch.py")
+    out = subprocess.run([sys.executable, script, "--steps", "8"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    losses = [float(x) for x in re.findall(r"loss (\S+)", out.stdout)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1
