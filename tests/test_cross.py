@@ -1,0 +1,60 @@
+"""Each framework's loss called from the other equals the direct call, loss and gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_impl
+import torch_impl
+from interop.cross import jax_loss_in_torch, torch_loss_in_jax
+from tests.frameworks import make_problem, rel_err, tolerance
+
+OPTIONS = [dict(), dict(reduction="sum", label_smoothing=0.1, softcap=4.0), dict(reduction="none", z_loss=1e-3)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["mean", "sum-smooth-cap", "none-zloss"])
+def test_jax_loss_called_from_torch(options, dtype):
+    p = make_problem(31, bias=True, dtype=dtype)
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    x, W, b = (torch.from_numpy(a).to(tdt).requires_grad_() for a in (p.x, p.W, p.b))
+    y = torch.from_numpy(p.y)
+    loss = jax_loss_in_torch(x, W, y, linear_bias=b, **options)
+    g = torch.randn(loss.shape) if loss.ndim else torch.tensor(1.7)
+    grads = torch.autograd.grad(loss, (x, W, b), g.to(loss.dtype))
+    assert [gr.dtype for gr in grads] == [tdt] * 3
+
+    def direct(x, W, b):
+        return jax_impl.linear_cross_entropy(x, W, jnp.asarray(p.y), linear_bias=b, **options)
+
+    jx = [jnp.asarray(a, dtype=jnp.dtype(dtype)) for a in (p.x, p.W, p.b)]
+    ref_loss, vjp = jax.vjp(direct, *jx)
+    ref_grads = vjp(jnp.asarray(g.numpy(), ref_loss.dtype))
+    assert rel_err(loss.detach().numpy(), np.asarray(ref_loss)) == 0
+    for got, ref in zip(grads, ref_grads):
+        assert rel_err(got.float().numpy(), np.asarray(ref.astype(jnp.float32))) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["mean", "sum-smooth-cap", "none-zloss"])
+def test_torch_loss_called_from_jax_under_jit(options, dtype):
+    p = make_problem(32, bias=True, dtype=dtype)
+    jx = [jnp.asarray(a, dtype=jnp.dtype(dtype)) for a in (p.x, p.W, p.b)]
+    y = jnp.asarray(p.y, jnp.int32)
+    f = lambda x, W, b: torch_loss_in_jax(x, W, y, linear_bias=b, **options)
+    loss, vjp = jax.vjp(jax.jit(f), *jx)
+    g = np.asarray(np.random.default_rng(0).standard_normal(loss.shape) + 1.5, np.float32)
+    grads = vjp(jnp.asarray(g))
+    assert [gr.dtype for gr in grads] == [jnp.dtype(dtype)] * 3
+
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    x, W, b = (torch.from_numpy(a).to(tdt).requires_grad_() for a in (p.x, p.W, p.b))
+    ref = torch_impl.linear_cross_entropy(x, W, torch.from_numpy(p.y), linear_bias=b, **options)
+    ref_grads = torch.autograd.grad(ref, (x, W, b), torch.from_numpy(g).to(ref.dtype))
+    assert rel_err(np.asarray(loss), ref.detach().numpy()) <= tolerance("float32")
+    for got, r in zip(grads, ref_grads):
+        assert rel_err(np.asarray(got.astype(jnp.float32)), r.float().numpy()) <= tolerance("float32")
