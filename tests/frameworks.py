@@ -15,6 +15,22 @@ import numpy as np
 from interop.reference import linear_cross_entropy_reference
 
 DTYPES = ("bfloat16", "float16", "float32")
+
+# (options, problem keyword arguments, whether the lse output gets a gradient)
+CASES = {
+    "mean": (dict(), dict(), False),
+    "sum-bias": (dict(reduction="sum"), dict(bias=True), False),
+    "none-classweights": (dict(reduction="none"), dict(class_weights=True), False),
+    "smoothing-classweights": (dict(label_smoothing=0.1), dict(class_weights=True), False),
+    "zloss-softcap-bias": (dict(z_loss=1e-2, softcap=4.0), dict(bias=True, logit_scale=3.0), False),
+    "everything-none-lse": (
+        dict(reduction="none", label_smoothing=0.2, z_loss=1e-3, softcap=4.0),
+        dict(bias=True, class_weights=True, logit_scale=3.0), True,
+    ),
+    "custom-ignore-index": (dict(ignore_index=3), dict(ignore_index=3, class_weights=True), False),
+    "3d-lse-sum": (dict(reduction="sum", label_smoothing=0.05), dict(lead=(2, 7)), True),
+}
+
 _NUMPY_DTYPE = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.frameworks import DTYPES, TorchAdapter, make_problem, reference, rel_err, tolerance, upstream_grads
-from tests.test_implementations import CASES, check_against_reference
+from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, rel_err, tolerance, upstream_grads
+from tests.test_implementations import check_against_reference
 
 pytestmark = [
     pytest.mark.cuda,

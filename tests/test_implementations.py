@@ -9,25 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.frameworks import DTYPES, cpu_implementations, make_problem, reference, rel_err, tolerance, upstream_grads
+from tests.frameworks import CASES, DTYPES, cpu_implementations, make_problem, reference, rel_err, tolerance, upstream_grads
 
 IMPLEMENTATIONS = cpu_implementations()
-
-# (options, problem keyword arguments, whether the lse output gets a gradient)
-CASES = {
-    "mean": (dict(), dict(), False),
-    "sum-bias": (dict(reduction="sum"), dict(bias=True), False),
-    "none-classweights": (dict(reduction="none"), dict(class_weights=True), False),
-    "smoothing-classweights": (dict(label_smoothing=0.1), dict(class_weights=True), False),
-    "zloss-softcap-bias": (dict(z_loss=1e-2, softcap=4.0), dict(bias=True, logit_scale=3.0), False),
-    "everything-none-lse": (
-        dict(reduction="none", label_smoothing=0.2, z_loss=1e-3, softcap=4.0),
-        dict(bias=True, class_weights=True, logit_scale=3.0), True,
-    ),
-    "custom-ignore-index": (dict(ignore_index=3), dict(ignore_index=3, class_weights=True), False),
-    "3d-lse-sum": (dict(reduction="sum", label_smoothing=0.05), dict(lead=(2, 7)), True),
-}
-
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):

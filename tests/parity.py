@@ -1,0 +1,141 @@
+"""The parity suite: the same buffers through `torch_impl` and `jax_impl`.
+
+For every case (tests.frameworks.CASES), dtype and strategy, the inputs are created once
+as torch tensors and handed to JAX through DLPack (interop.dlpack, no copy); both
+frameworks compute loss, lse and every gradient for the same upstream gradients. Each is
+compared with the float64 spec, and with the other: a disagreement between the two
+implementations, or an error against the spec, above the dtype's tolerance fails.
+
+On the CPU (tests/test_parity.py) it runs small shapes with the kernels in their
+interpreters. On a GPU, one command runs it at larger shapes and writes a report:
+
+    python -m tests.parity --device cuda --out bench/results/parity_cuda
+
+(parity.json with every error, parity.md with the worst per case; exit status 1 on a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from tests.frameworks import CASES, make_problem, reference, rel_err, tolerance, upstream_grads
+
+STRATEGIES = ("chunked", "speed", "memory")
+OUTPUTS = ("loss", "lse", "grad_x", "grad_W", "grad_b")
+
+
+def _torch_side(tensors, options, strategy, g_out, g_lse):
+    import torch
+
+    import torch_impl
+
+    x, W, b, cw, y = (t.detach().requires_grad_(t.is_floating_point() and k in "xWb") if t is not None else None
+                      for k, t in zip("xWbcy", tensors))
+    loss, lse = torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=cw, return_lse=True, strategy=strategy, **options)
+    outs, grads_in = [loss], [torch.as_tensor(g_out, device=x.device, dtype=loss.dtype)]
+    if g_lse is not None:
+        outs.append(lse)
+        grads_in.append(torch.as_tensor(g_lse, device=x.device, dtype=lse.dtype))
+    wrt = [t for t in (x, W, b) if t is not None]
+    grads = torch.autograd.grad(outs, wrt, grads_in)
+    result = {"loss": loss, "lse": lse, "grad_x": grads[0], "grad_W": grads[1]}
+    if b is not None:
+        result["grad_b"] = grads[2]
+    return {k: v.detach().double().cpu().numpy() for k, v in result.items()}
+
+
+def _jax_side(arrays, options, strategy, g_out, g_lse):
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    x, W, b, cw, y = arrays
+
+    def f(x, W, b):
+        return jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=cw, return_lse=True, strategy=strategy, **options)
+
+    (loss, lse), vjp = jax.vjp(f, x, W, b)
+    g_lse = np.zeros(lse.shape) if g_lse is None else g_lse
+    gx, gW, gb = vjp((jnp.asarray(g_out, loss.dtype), jnp.asarray(g_lse, lse.dtype)))
+    result = {"loss": loss, "lse": lse, "grad_x": gx, "grad_W": gW}
+    if b is not None:
+        result["grad_b"] = gb
+    return {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in result.items()}
+
+
+def run_case(case: str, dtype: str, strategy: str, device: str, lead=(13,), hidden=19, vocab=53) -> dict:
+    """Errors of both frameworks against the spec and against each other, for one case."""
+    import torch
+
+    from interop.dlpack import to_jax
+
+    options, problem_kwargs, with_lse = CASES[case]
+    problem_kwargs = dict(problem_kwargs)
+    lead = problem_kwargs.pop("lead", lead)
+    seed = hash((case, dtype, strategy)) % 2**31
+    p = make_problem(seed, lead=lead, hidden=hidden, vocab=vocab, dtype=dtype, **problem_kwargs)
+    g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+    tdt = getattr(torch, dtype)
+    # Created once, in torch, and shared with JAX without a copy.
+    tensors = [None if a is None else torch.from_numpy(a).to(device=device, dtype=tdt) for a in (p.x, p.W, p.b)]
+    tensors.append(None if p.cw is None else torch.from_numpy(p.cw).to(device))
+    tensors.append(torch.from_numpy(p.y.astype(np.int32)).to(device))
+    arrays = [None if t is None else to_jax(t) for t in tensors]
+    ref = reference(p, options, g_out, g_lse)
+    spec = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
+    got_t = _torch_side(tensors, options, strategy, g_out, g_lse)
+    got_j = _jax_side(arrays, options, strategy, g_out, g_lse)
+    tol = tolerance(dtype, p.logit_scale)
+    errors = {}
+    for k in OUTPUTS:
+        if k in got_t:
+            errors[k] = {"torch": rel_err(got_t[k], spec[k]), "jax": rel_err(got_j[k], spec[k]),
+                         "torch_vs_jax": rel_err(got_t[k], got_j[k])}
+    failed = sorted(f"{k}:{side}" for k, e in errors.items() for side, v in e.items() if not v <= tol)
+    return {"case": case, "dtype": dtype, "strategy": strategy, "shape": [*lead, hidden, vocab], "tolerance": tol,
+            "errors": errors, "failed": failed}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| case | dtype | strategy | tolerance | worst torch | worst jax | worst torch vs jax | failed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        worst = {side: max(e[side] for e in r["errors"].values()) for side in ("torch", "jax", "torch_vs_jax")}
+        lines.append(f"| {r['case']} | {r['dtype']} | {r['strategy']} | {r['tolerance']:.1e} | {worst['torch']:.1e} | "
+                     f"{worst['jax']:.1e} | {worst['torch_vs_jax']:.1e} | {', '.join(r['failed']) or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.parity", description="The parity suite, with a report.")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", required=True, help="folder for parity.json and parity.md")
+    parser.add_argument("--rows", type=int, default=1000)
+    parser.add_argument("--hidden", type=int, default=257)
+    parser.add_argument("--vocab", type=int, default=5003)
+    args = parser.parse_args(argv)
+    results = []
+    for case in CASES:
+        for dtype in ("bfloat16", "float16", "float32"):
+            for strategy in STRATEGIES:
+                r = run_case(case, dtype, strategy, args.device, (args.rows,), args.hidden, args.vocab)
+                print(f"{case:>24} {dtype:>9} {strategy:>8} {'FAILED ' + ', '.join(r['failed']) if r['failed'] else 'ok'}", flush=True)
+                results.append(r)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "parity.json"), "w") as f:
+        json.dump({"device": args.device, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "parity.md"), "w") as f:
+        f.write(markdown(results))
+    failures = sum(bool(r["failed"]) for r in results)
+    print(f"{len(results) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
