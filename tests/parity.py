@@ -112,6 +112,19 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def environment(device: str) -> dict:
+    """Device name, versions and date, for the report."""
+    import datetime
+    import platform
+
+    import jax
+    import torch
+
+    name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or "cpu")
+    return {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.parity", description="The parity suite, with a report.")
     parser.add_argument("--device", default="cuda")
@@ -128,9 +141,12 @@ def main(argv=None) -> int:
                 print(f"{case:>24} {dtype:>9} {strategy:>8} {'FAILED ' + ', '.join(r['failed']) if r['failed'] else 'ok'}", flush=True)
                 results.append(r)
     os.makedirs(args.out, exist_ok=True)
+    env = environment(args.device)
     with open(os.path.join(args.out, "parity.json"), "w") as f:
-        json.dump({"device": args.device, "results": results}, f, indent=1)
+        json.dump({"environment": env, "results": results}, f, indent=1)
     with open(os.path.join(args.out, "parity.md"), "w") as f:
+        f.write(f"Parity suite on {env['device']} ({env['date']}; torch {env['torch']}, jax {env['jax']}), "
+                f"N={args.rows}, D={args.hidden}, V={args.vocab}: worst relative errors per case.\n\n")
         f.write(markdown(results))
     failures = sum(bool(r["failed"]) for r in results)
     print(f"{len(results) - failures} passed, {failures} failed")
