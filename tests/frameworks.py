@@ -43,7 +43,8 @@ def tolerance(dtype: str, logit_scale: float = 1.0) -> float:
     into a relative one. 128 epsilons for fp32, whose error grows with the sums over D and V.
     """
     eps = float(ml_dtypes.finfo(_NUMPY_DTYPE[dtype]).eps)
-    return {"float32": 128 * eps, "float64": 1e6 * eps}.get(dtype, 2 * eps * max(1.0, 2 * logit_scale))
+    scale = 2 * logit_scale if logit_scale > 1 else 1.0
+    return {"float32": 128 * eps, "float64": 1e6 * eps}.get(dtype, 2 * eps * scale)
 
 
 def rel_err(got, ref) -> float:
