@@ -82,3 +82,25 @@ def test_int64_without_x64_is_refused():
     with pytest.raises(ValueError, match="int32"):
         to_jax(torch.arange(3))
     assert _pointer(to_jax(torch.arange(3).int())) != 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_to_jax_waits_for_the_torch_kernel_that_writes_the_buffer():
+    """torch's stream is held up (a sleep kernel), then a fill is queued behind it; JAX, on
+    its own stream, must see the filled buffer. Without to_jax's synchronisation it reads
+    the zeros that are still there."""
+    t = torch.zeros(1 << 24, device="cuda")
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU cycles on the torch stream
+    t.fill_(1.0)
+    a = to_jax(t)
+    assert float(jnp.min(a)) == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_to_torch_waits_for_the_jax_computation():
+    x = jax.device_put(jnp.ones((4096, 4096), jnp.float32), jax.devices("gpu")[0])
+    a = (x @ x) @ x  # still running when to_torch is called
+    t = to_torch(a)
+    assert float(t.min()) == 4096.0 * 4096.0 and float(t.max()) == 4096.0 * 4096.0
