@@ -88,8 +88,8 @@ def test_int64_without_x64_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_to_jax_waits_for_the_torch_kernel_that_writes_the_buffer():
     """torch's stream is held up (a sleep kernel), then a fill is queued behind it; JAX, on
-    its own stream, must see the filled buffer. Without to_jax's synchronisation it reads
-    the zeros that are still there."""
+    its own stream, must see the filled buffer, not the zeros still there while the fill
+    waits (the DLPack handover must order JAX's stream after torch's)."""
     t = torch.zeros(1 << 24, device="cuda")
     torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU cycles on the torch stream
     t.fill_(1.0)
