@@ -153,6 +153,7 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
             dz = blocks.grad_block_(z, rs, 0, lse[rs], *coefs)
             blocks.add_grads(dz, rs, 0, blocks.vocab, None if dx is None else dx[rs], dW, db)
     loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, blocks.cw_sum, blocks.vocab), rows, opts.reduction)
+    z = dz = blocks = None  # the logits buffer goes before dW's conversion allocates its result
     return loss, lse, dx, _final(dW, W), _final(db, b_V)
 
 
@@ -172,6 +173,7 @@ def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_lay
         if dx_acc is not None:
             dx[rs] = dx_acc[: rs.stop - rs.start]
             dx_acc.zero_()
+    dz = blocks = dx_acc = None  # the logits buffer goes before dW's conversion allocates its result
     return dx, _final(dW, W), _final(db, b_V)
 
 
