@@ -23,7 +23,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise ValueError for a target outside [0, V) that is not ignore_index (eager calls only)."""
+    """Raise ValueError for a target outside [0, V) that is not ignore_index (every call: inside
+    torch.compile the loss runs as an eager, opaque step)."""
     bad = (y_N != ignore_index) & ((y_N < 0) | (y_N >= vocab))
     if bool(bad.any()):
         raise ValueError(target_out_of_range_message(int(y_N[bad][0]), vocab, ignore_index))
