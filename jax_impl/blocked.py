@@ -38,15 +38,18 @@ class BlockedConfig:
     block_cols: int
     accumulate_in_input_dtype: bool
     return_lse: bool
+    interpret: bool  # Pallas interpret mode (the arrays are not on a GPU)
 
     @property
     def grads_in_forward(self) -> bool:
         return self.strategy == "speed" and self.options.reduction != "none" and not self.return_lse
 
 
-def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype, return_lse) -> BlockedConfig:
+def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype, return_lse,
+         platform) -> BlockedConfig:
     rows, cols = block_shape(strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize)
-    return BlockedConfig(options, weight_layout, strategy, rows, cols, accumulate_in_input_dtype, return_lse)
+    return BlockedConfig(options, weight_layout, strategy, rows, cols, accumulate_in_input_dtype, return_lse,
+                         interpret=platform != "gpu")
 
 
 class _Problem:
@@ -96,7 +99,8 @@ def _v0_array(v0):
 
 def _stats_of_block(prob: _Problem, z, v0, y_R, stats):
     opts = prob.cfg.options
-    return block_stats(z, _v0_array(v0), prob.b, prob.cw, y_R, stats, opts.softcap, opts.label_smoothing > 0)
+    return block_stats(z, _v0_array(v0), prob.b, prob.cw, y_R, stats, opts.softcap, opts.label_smoothing > 0,
+                       prob.cfg.interpret)
 
 
 def _initial_stats(R: int):
@@ -133,7 +137,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         lse = m + jnp.log(l)
         block_rows = TargetRows(y_R, valid_R, in_range_R, bad_R, cw_y_R)
         coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
-        dz = block_grad(z, _v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap)
+        dz = block_grad(z, _v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
         dx_R = prob.grad_input_share(dz, W).astype(x_R.dtype)
         dW = dW + prob.grad_weight_share(dz, x_R).astype(dW.dtype)
         return (dW, db + dz.astype(jnp.float32).sum(0)), (lse, s_y, ws, dx_R)
@@ -168,7 +172,8 @@ def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig)
         def body(v0, cols, c):
             dW, db, dx_acc = c
             W_c = prob.head_cols(v0, cols)
-            dz = block_grad(prob.logits(x_R, W_c), _v0_array(v0), prob.b, prob.cw, y_R, lse_R, p_R, t_R, s_R, opts.softcap)
+            dz = block_grad(prob.logits(x_R, W_c), _v0_array(v0), prob.b, prob.cw, y_R, lse_R, p_R, t_R, s_R,
+                            opts.softcap, cfg.interpret)
             dx_acc = dx_acc + prob.grad_input_share(dz, W_c)
             dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
             dW = jax.lax.dynamic_update_slice_in_dim(dW, dW_c + prob.grad_weight_share(dz, x_R).astype(dW.dtype), v0, axis=axis)

@@ -34,14 +34,22 @@ def _check_target_range(y_N, vocab: int, ignore_index: int) -> None:
         raise ValueError(target_out_of_range_message(int(y[bad][0]), vocab, ignore_index))
 
 
-def choose_strategy(strategy: str, dtype, n_rows: int, hidden: int, vocab: int) -> str:
-    """Resolve "auto" and route to "chunked" where the Pallas kernels can't run (no GPU
-    unless LOGITLESS_PALLAS_INTERPRET=1, or fp64)."""
-    if strategy == "chunked" or kernels is None or not kernels.kernels_can_run() or jnp.dtype(dtype) == jnp.float64:
+def platform_of(x) -> str:
+    """Where a call on `x` runs: its device's platform for a concrete array; under a trace
+    (jit), JAX's default backend (arrays committed to another device are not seen there)."""
+    if isinstance(x, jax.core.Tracer):
+        return jax.default_backend()
+    return next(iter(x.devices())).platform
+
+
+def choose_strategy(strategy: str, dtype, n_rows: int, hidden: int, vocab: int, platform: str) -> str:
+    """Resolve "auto" and route to "chunked" where the Pallas kernels can't run (not on a
+    GPU unless LOGITLESS_PALLAS_INTERPRET=1, or fp64)."""
+    if strategy == "chunked" or kernels is None or not kernels.kernels_can_run(platform) or jnp.dtype(dtype) == jnp.float64:
         return "chunked"
     if strategy != "auto":
         return strategy
-    if jax.default_backend() != "gpu":
+    if platform != "gpu":
         return "chunked"
     stats = jax.devices()[0].memory_stats() or {}
     free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
@@ -108,7 +116,8 @@ def linear_cross_entropy(
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     y_N = target.reshape(shape.n_rows)
     _check_target_range(y_N, shape.vocab, opts.ignore_index)
-    strategy = choose_strategy(strategy, x_ND.dtype, shape.n_rows, shape.hidden, shape.vocab)
+    platform = platform_of(x_ND)
+    strategy = choose_strategy(strategy, x_ND.dtype, shape.n_rows, shape.hidden, shape.vocab, platform)
     if strategy == "chunked":
         cfg = ChunkedConfig(
             opts, weight_layout, default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype
@@ -116,7 +125,7 @@ def linear_cross_entropy(
         loss, lse_N = chunked_linear_cross_entropy(x_ND, linear_weight, linear_bias, weight, y_N, cfg)
     else:
         cfg = blocked.plan(opts, weight_layout, strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype,
-                           accumulate_in_input_dtype, return_lse)
+                           accumulate_in_input_dtype, return_lse, platform)
         loss, lse_N = blocked.blocked_linear_cross_entropy(
             x_ND, linear_weight, linear_bias, weight, y_N.astype(jnp.int32), cfg
         )

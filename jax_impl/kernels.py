@@ -29,14 +29,9 @@ BLOCK_C = 2048
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 
-def interpret_mode() -> bool:
-    """Pallas interpret mode on any backend other than a GPU."""
-    return jax.default_backend() != "gpu"
-
-
-def kernels_can_run() -> bool:
-    """The kernels run on a GPU, and in interpret mode on a CPU when asked (tests)."""
-    return jax.default_backend() == "gpu" or os.environ.get("LOGITLESS_PALLAS_INTERPRET") == "1"
+def kernels_can_run(platform: str) -> bool:
+    """The kernels run on a GPU, and elsewhere in interpret mode when asked (tests)."""
+    return platform == "gpu" or os.environ.get("LOGITLESS_PALLAS_INTERPRET") == "1"
 
 
 def _tanh(u):
@@ -136,9 +131,10 @@ def _extras(b_V, cw_V):
     return [a for a in (b_V, cw_V) if a is not None]
 
 
-def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool):
+def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool, interpret: bool):
     """Merge logits block z [R, C] (columns v0..v0+C; v0 an int32 [1] array) into the
-    running statistics `stats` = (m, l, s_y, ws), each fp32 [R]; returns the new ones."""
+    running statistics `stats` = (m, l, s_y, ws), each fp32 [R]; returns the new ones.
+    interpret: Pallas interpret mode (anywhere but a GPU)."""
     R, C = z_RC.shape
     kernel = functools.partial(_stats_kernel, C=C, cap=softcap, has_bias=b_V is not None, has_cw=cw_V is not None,
                                need_ws=need_ws, block=_block(C))
@@ -149,12 +145,12 @@ def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool):
         out_shape=[jax.ShapeDtypeStruct((R,), jnp.float32)] * 4,
         grid=(R,),
         input_output_aliases={first_stat + k: k for k in range(4)},
-        interpret=interpret_mode(),
+        interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
     )(*args)
 
 
-def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap):
+def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, interpret: bool):
     """dz [R, C] (z's dtype, written over z) for logits block z (columns v0..v0+C)."""
     R, C = z_RC.shape
     kernel = functools.partial(_grad_kernel, C=C, cap=softcap, has_bias=b_V is not None, has_cw=cw_V is not None,
@@ -164,6 +160,6 @@ def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap):
         out_shape=jax.ShapeDtypeStruct((R, C), z_RC.dtype),
         grid=(R,),
         input_output_aliases={1: 0},
-        interpret=interpret_mode(),
+        interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
     )(v0, z_RC, *_extras(b_V, cw_V), y_R, lse_R, p_R, t_R, s_R)
