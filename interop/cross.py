@@ -37,7 +37,10 @@ def jax_loss_in_torch(input, linear_weight, target, *, linear_bias=None, **optio
 
             args = [to_jax(t.detach().contiguous()) if t is not None else None for t in (x, W, b)]
             y = to_jax(target.detach().to(torch.int32).contiguous())
-            loss, vjp = jax.vjp(lambda x, W, b: _jax_function(options)(x, W, b, y), *args)
+            # Under jax.vjp the inputs are tracers, and JAX would pick its default backend's
+            # path; CPU tensors (also on a GPU host) take the chunked path, which runs anywhere.
+            opts = options if x.is_cuda else {**options, "strategy": "chunked"}
+            loss, vjp = jax.vjp(lambda x, W, b: _jax_function(opts)(x, W, b, y), *args)
             ctx.vjp = vjp
             return to_torch(loss).clone()  # the loss is small; a torch-owned copy is safer
 

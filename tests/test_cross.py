@@ -31,9 +31,10 @@ def test_jax_loss_called_from_torch(options, dtype):
     def direct(x, W, b):
         return jax_impl.linear_cross_entropy(x, W, jnp.asarray(p.y), linear_bias=b, **options)
 
-    jx = [jnp.asarray(a, dtype=jnp.dtype(dtype)) for a in (p.x, p.W, p.b)]
+    cpu = jax.devices("cpu")[0]  # where the CPU torch tensors' buffers live, also on a GPU host
+    jx = [jax.device_put(jnp.asarray(a, dtype=jnp.dtype(dtype)), cpu) for a in (p.x, p.W, p.b)]
     ref_loss, vjp = jax.vjp(direct, *jx)
-    ref_grads = vjp(jnp.asarray(g.numpy(), ref_loss.dtype))
+    ref_grads = vjp(jax.device_put(jnp.asarray(g.numpy(), ref_loss.dtype), cpu))
     assert rel_err(loss.detach().numpy(), np.asarray(ref_loss)) == 0
     for got, ref in zip(grads, ref_grads):
         assert rel_err(got.float().numpy(), np.asarray(ref.astype(jnp.float32))) == 0
