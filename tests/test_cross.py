@@ -59,3 +59,27 @@ def test_torch_loss_called_from_jax_under_jit(options, dtype):
     assert rel_err(np.asarray(loss), ref.detach().numpy()) <= tolerance("float32")
     for got, r in zip(grads, ref_grads):
         assert rel_err(np.asarray(got.astype(jnp.float32)), r.float().numpy()) <= tolerance("float32")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_jax_loss_called_from_torch_on_cuda_shares_buffers(strategy):
+    """CUDA tensors cross without copies and run the JAX kernels; equal to the direct JAX call
+    on the same (shared) buffers."""
+    from interop.dlpack import to_jax
+
+    p = make_problem(33, lead=(700,), hidden=129, vocab=3001, bias=True, dtype="bfloat16")
+    x, W, b = (torch.from_numpy(a).to("cuda", torch.bfloat16).requires_grad_() for a in (p.x, p.W, p.b))
+    y = torch.from_numpy(p.y).cuda()
+    loss = jax_loss_in_torch(x, W, y, linear_bias=b, strategy=strategy, label_smoothing=0.1)
+    grads = torch.autograd.grad(loss, (x, W, b))
+    assert all(g.is_cuda and g.dtype == torch.bfloat16 for g in grads)
+    jx = [to_jax(t.detach()) for t in (x, W, b)]
+    direct = lambda x, W, b: jax_impl.linear_cross_entropy(x, W, to_jax(y.int()), linear_bias=b, strategy=strategy,
+                                                           label_smoothing=0.1)
+    ref_loss, vjp = jax.vjp(direct, *jx)
+    ref_grads = vjp(jnp.ones((), ref_loss.dtype))
+    assert rel_err(loss.detach().cpu().numpy(), np.asarray(ref_loss)) == 0
+    for got, ref in zip(grads, ref_grads):
+        assert rel_err(got.float().cpu().numpy(), np.asarray(ref.astype(jnp.float32))) == 0
