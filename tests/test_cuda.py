@@ -8,11 +8,10 @@ input dtype: the kernels' error must not exceed eager's by more than the issue a
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, rel_err, tolerance, upstream_grads
+from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, tolerance, upstream_grads
 from tests.test_implementations import check_against_reference
 
 pytestmark = [
