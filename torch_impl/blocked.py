@@ -66,17 +66,18 @@ def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 _MIXED_ADDMM = [True]
 
 
-class _Blocks:
-    """The state of one call: inputs, options, plan, target facts and the logits buffer."""
+class HeadBlocks:
+    """One linear head's operands cut into blocks: x [N, D], W ([V, D] "VD" or [D, V] "DV"),
+    bias [V] or None, the plan, and one reused logits buffer. `vocab` may be smaller than
+    W's (the first `vocab` classes); `logits_dtype` other than x's (the fallback's fp32)
+    computes each block in x's dtype and converts it."""
 
-    def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan):
-        self.x, self.W, self.b, self.opts, self.layout, self.plan = x_ND, W, b_V, opts, weight_layout, plan
-        self.vocab = W.shape[0] if weight_layout == "VD" else W.shape[1]
-        self.cw = None if cw_V is None else cw_V.float()
-        self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
-        self.rows = TargetRows(y_N, self.cw, self.vocab, opts.ignore_index, torch.float32)
+    def __init__(self, x_ND, W, b_V, weight_layout: str, plan: BlockPlan, vocab: int | None = None, logits_dtype=None):
+        self.x, self.W, self.b, self.layout, self.plan = x_ND, W, b_V, weight_layout, plan
+        self.vocab = (W.shape[0] if weight_layout == "VD" else W.shape[1]) if vocab is None else vocab
+        self.logits_dtype = x_ND.dtype if logits_dtype is None else logits_dtype
         n = min(plan.block_rows, x_ND.shape[0]) * min(plan.block_cols, self.vocab)
-        self.buffer = torch.empty(n, dtype=x_ND.dtype, device=x_ND.device)
+        self.buffer = torch.empty(n if self.logits_dtype == x_ND.dtype else 0, dtype=x_ND.dtype, device=x_ND.device)
 
     def row_blocks(self):
         n = self.x.shape[0]
@@ -87,13 +88,19 @@ class _Blocks:
         for v0 in range(0, self.vocab, self.plan.block_cols):
             yield v0, min(self.plan.block_cols, self.vocab - v0)
 
+    @property
+    def whole_rows(self) -> bool:
+        return self.plan.block_cols >= self.vocab
+
     def head_cols(self, v0: int, cols: int) -> torch.Tensor:
         """W's columns v0..v0+cols as a [cols, D] view."""
         return self.W[v0 : v0 + cols] if self.layout == "VD" else self.W[:, v0 : v0 + cols].T
 
     def logits(self, rs: slice, v0: int, cols: int) -> torch.Tensor:
-        """z [R, cols] = x[rs] @ W[v0:v0+cols].T (no bias) in the reused buffer."""
+        """z [R, cols] = x[rs] @ W[v0:v0+cols].T (no bias), in the reused buffer."""
         x_R = self.x[rs]
+        if self.logits_dtype != x_R.dtype:
+            return (x_R @ self.head_cols(v0, cols).T).to(self.logits_dtype)
         z = self.buffer[: x_R.shape[0] * cols].view(x_R.shape[0], cols)
         return torch.mm(x_R, self.head_cols(v0, cols).T, out=z)
 
@@ -102,32 +109,47 @@ class _Blocks:
         dx_accumulate: an accumulator over column blocks), dW += .., db += .."""
         if dx_out is not None:
             W_c = self.head_cols(v0, cols)
+            dz_in = dz.to(W_c.dtype)
             if dx_accumulate:
-                _addmm_(dx_out, dz, W_c)
+                _addmm_(dx_out, dz_in, W_c)
             else:
-                torch.mm(dz, W_c, out=dx_out)
+                torch.mm(dz_in, W_c, out=dx_out)
         if dW is not None:
+            x_R = self.x[rs].to(dz.dtype)
             if self.layout == "VD":
-                _addmm_(dW[v0 : v0 + cols], dz.T, self.x[rs])
+                _addmm_(dW[v0 : v0 + cols], dz.T, x_R)
             else:
-                _addmm_(dW[:, v0 : v0 + cols], self.x[rs].T, dz)
+                _addmm_(dW[:, v0 : v0 + cols], x_R.T, dz)
         if db is not None:
-            db[v0 : v0 + cols] += dz.sum(0, dtype=torch.float32)
+            db[v0 : v0 + cols] += dz.sum(0, dtype=db.dtype)
+
+    def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool):
+        """(dx [N, D] in x's dtype, fp32 [R, D] accumulator when rows span several column
+        blocks, dW in the plan's accumulation dtype, db fp32 [V]; fp64 for fp64 inputs)."""
+        x, W = self.x, self.W
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        dx = torch.empty_like(x) if need_x else None
+        dx_acc = torch.zeros(min(self.plan.block_rows, x.shape[0]), x.shape[1], dtype=wide, device=x.device) \
+            if need_x and not self.whole_rows else None
+        dW = torch.zeros(W.shape, dtype=self.plan.accumulate_dtype, device=W.device) if need_W else None
+        db = torch.zeros(W.shape[0] if self.layout == "VD" else W.shape[1], dtype=wide, device=W.device) if need_b else None
+        return dx, dx_acc, dW, db
+
+
+class _Blocks(HeadBlocks):
+    """A cross-entropy call: the head's blocks plus the options and target facts."""
+
+    def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan):
+        super().__init__(x_ND, W, b_V, weight_layout, plan)
+        self.opts = opts
+        self.cw = None if cw_V is None else cw_V.float()
+        self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
+        self.rows = TargetRows(y_N, self.cw, self.vocab, opts.ignore_index, torch.float32)
 
     def grad_block_(self, z, rs: slice, v0: int, lse, p_coef, t_coef, s_coef) -> torch.Tensor:
         """Rewrite the logits block z as dz, in place; returns it."""
         block_grad_(z, z, v0, self.b, self.cw, self.rows.safe_y[rs], lse, p_coef, t_coef, s_coef, self.opts.softcap)
         return z
-
-    def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool):
-        """(dx [N, D] in x's dtype, fp32 [R, D] accumulator when rows span several column blocks, dW, db)."""
-        x, W = self.x, self.W
-        dx = torch.empty_like(x) if need_x else None
-        multi_col = self.plan.block_cols < self.vocab
-        dx_acc = torch.zeros(min(self.plan.block_rows, x.shape[0]), x.shape[1], dtype=torch.float32, device=x.device) if need_x and multi_col else None
-        dW = torch.zeros(W.shape, dtype=self.plan.accumulate_dtype, device=W.device) if need_W else None
-        db = torch.zeros(self.vocab, dtype=torch.float32, device=W.device) if need_b else None
-        return dx, dx_acc, dW, db
 
 
 def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False)):

@@ -2,10 +2,13 @@
 column offset v0): the elementwise and row-wise work between the matrix products.
 
 - `block_stats_`: merges the block into running per-row statistics (online max m, sum of
-  exponentials l, s at the target s_y, class-weighted sum ws), so lse = m + log(l) once
-  every column block of the rows has been seen.
+  exponentials l of scale * s, s at the target s_y, class-weighted sum ws), so
+  lse = m + log(l) once every column block of the rows has been seen.
 - `block_grad_`: turns the block into dz (interop/SPEC.md), in place or into another
-  buffer, from per-row lse and coefficients (P, T, S).
+  buffer, from per-row lse and coefficients (P, T, S), optionally with a second softmax
+  term (distillation at a temperature: interop/SPEC-DISTILLATION.md).
+- `put_entries_`: overwrites up to K given entries per row of a block (the exact values
+  of a top-K teacher's positions).
 
 Both apply the bias and the softcap on the fly; z is read in its own dtype and the math is
 fp32. One program handles one row of the block, looping over its columns.
@@ -42,7 +45,7 @@ def _block_stats_kernel(
     b_ptr, cw_ptr,               # [V] bias, class weights (unused unless HAS_BIAS / HAS_CW)
     y_ptr,                       # [R] int64 target, in [0, V)
     m_ptr, l_ptr, sy_ptr, ws_ptr,  # [R] fp32 running statistics, updated in place
-    C, v0, cap,
+    C, v0, cap, scale,           # the statistics are those of scale * s
     HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, NEED_WS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -57,7 +60,7 @@ def _block_stats_kernel(
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
         s = _capped_logits(z_ptr + row * stride_zr + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP)
-        s_in = tl.where(mask, s, -float("inf"))
+        s_in = tl.where(mask, s * scale, -float("inf"))
         m_new = tl.maximum(m_vec, s_in)
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # lanes that have seen nothing yet
         l_vec = l_vec * tl.exp(m_vec - m_safe) + tl.exp(s_in - m_safe)
@@ -83,10 +86,11 @@ def _block_grad_kernel(
     z_ptr, stride_zr,            # [R, C] logits block
     dz_ptr, stride_dr,           # [R, C] output (may be z itself)
     b_ptr, cw_ptr,               # [V]
-    y_ptr, lse_ptr,              # [R] int64 target, fp32 lse
+    y_ptr, lse_ptr,              # [R] int64 target, fp32 lse of scale * s
     p_ptr, t_ptr, s_ptr,         # [R] fp32 coefficients: dz = P p - T [j == y] - S cw_j
-    C, v0, cap,
-    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr,
+    p2_ptr, lse2_ptr,            # [R] fp32, with HAS_P2: dz += P2 exp(s - lse2)
+    C, v0, cap, scale,           # p = exp(scale * s - lse)
+    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_P2: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -95,11 +99,16 @@ def _block_grad_kernel(
     p_coef = tl.load(p_ptr + row)
     t_coef = tl.load(t_ptr + row)
     s_coef = tl.load(s_ptr + row)
+    if HAS_P2:
+        p2_coef = tl.load(p2_ptr + row)
+        lse2 = tl.load(lse2_ptr + row)
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
         s = _capped_logits(z_ptr + row * stride_zr + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP)
-        dz = p_coef * tl.exp(s - lse) - tl.where(offs == y, t_coef, 0.0)
+        dz = p_coef * tl.exp(s * scale - lse) - tl.where(offs == y, t_coef, 0.0)
+        if HAS_P2:
+            dz += p2_coef * tl.exp(s - lse2)
         if HAS_CW:
             dz -= s_coef * tl.load(cw_ptr + v0 + offs, mask=mask, other=0.0).to(tl.float32)
         else:
@@ -114,31 +123,65 @@ def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like if t is None else t
 
 
-def block_stats_(z_RC, v0: int, b_V, cw_V, safe_y_R, m_R, l_R, sy_R, ws_R, softcap, need_ws: bool) -> None:
+@triton.jit
+def _put_entries_kernel(
+    dz_ptr, stride_dr,           # [R, C] block, columns v0..v0+C
+    ids_ptr, val_ptr,            # [R, K] int64 column ids (any value), fp32 values
+    K, C, v0,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    cols = tl.load(ids_ptr + row * K + ks, mask=ks < K, other=-1) - v0
+    vals = tl.load(val_ptr + row * K + ks, mask=ks < K, other=0.0)
+    mask = (ks < K) & (cols >= 0) & (cols < C)
+    tl.store(dz_ptr + row * stride_dr + cols, vals.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+def block_stats_(z_RC, v0: int, b_V, cw_V, safe_y_R, m_R, l_R, sy_R, ws_R, softcap, need_ws: bool, scale: float = 1.0) -> None:
     """Merge logits block z [R, C] (columns v0..v0+C) into the running statistics, in place.
 
     safe_y_R: int64 targets (any value; only those in [v0, v0+C) are picked up);
-    m/l/sy/ws_R: fp32 [R], start at (-inf, 0, 0, 0).
+    m/l/sy/ws_R: fp32 [R], start at (-inf, 0, 0, 0); m and l are those of scale * s, s_y
+    and ws of s.
     """
     R, C = z_RC.shape
     if R == 0:
         return
     _block_stats_kernel[(R,)](
         z_RC, z_RC.stride(0), _dummy(b_V, z_RC), _dummy(cw_V, z_RC), safe_y_R, m_R, l_R, sy_R, ws_R,
-        C, v0, 1.0 if softcap is None else float(softcap),
+        C, v0, 1.0 if softcap is None else float(softcap), float(scale),
         HAS_BIAS=b_V is not None, HAS_CW=cw_V is not None, HAS_CAP=softcap is not None, NEED_WS=need_ws,
         BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
     )
 
 
-def block_grad_(z_RC, dz_RC, v0: int, b_V, cw_V, safe_y_R, lse_R, p_R, t_R, s_R, softcap) -> None:
-    """Write dz [R, C] for logits block z [R, C] (columns v0..v0+C); dz may be z itself."""
+def block_grad_(z_RC, dz_RC, v0: int, b_V, cw_V, safe_y_R, lse_R, p_R, t_R, s_R, softcap, scale: float = 1.0,
+                second=None) -> None:
+    """Write dz [R, C] for logits block z [R, C] (columns v0..v0+C); dz may be z itself.
+
+    dz = (P exp(scale s - lse) [+ P2 exp(s - lse2)] - T [j == y] - S cw_j) * softcap'(z),
+    with second = (P2, lse2), fp32 [R] each, or None.
+    """
     R, C = z_RC.shape
     if R == 0:
         return
+    p2_R, lse2_R = (lse_R, lse_R) if second is None else second
     _block_grad_kernel[(R,)](
         z_RC, z_RC.stride(0), dz_RC, dz_RC.stride(0), _dummy(b_V, z_RC), _dummy(cw_V, z_RC),
-        safe_y_R, lse_R, p_R, t_R, s_R, C, v0, 1.0 if softcap is None else float(softcap),
-        HAS_BIAS=b_V is not None, HAS_CW=cw_V is not None, HAS_CAP=softcap is not None,
+        safe_y_R, lse_R, p_R, t_R, s_R, p2_R, lse2_R, C, v0, 1.0 if softcap is None else float(softcap), float(scale),
+        HAS_BIAS=b_V is not None, HAS_CW=cw_V is not None, HAS_CAP=softcap is not None, HAS_P2=second is not None,
         BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
     )
+
+
+def put_entries_(dz_RC, v0: int, ids_RK, values_RK) -> None:
+    """dz[r, ids[r, k] - v0] = values[r, k] where that column lies in the block [v0, v0+C);
+    ids int64 [R, K] (other ids are skipped), values fp32 [R, K]. Equal ids of a row must
+    carry equal values."""
+    R, C = dz_RC.shape
+    K = ids_RK.shape[1]
+    if R == 0 or K == 0:
+        return
+    _put_entries_kernel[(R,)](dz_RC, dz_RC.stride(0), ids_RK, values_RK, K, C, v0,
+                              BLOCK_K=triton.next_power_of_2(K), num_warps=1)

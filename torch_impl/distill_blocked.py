@@ -1,0 +1,258 @@
+"""The distillation losses over blocks of logits (interop/SPEC-DISTILLATION.md), for
+PyTorch: the same blocks and strategies as `torch_impl.blocked`, the block steps from
+`torch_impl.distill_ops` (Triton kernels, or PyTorch ops for the fallback).
+
+- top-K teacher: per row block, the student's statistics at temperature T (and at 1 for a
+  hard-label term), s at the teacher ids (gathered from the blocks), then dz = the dense
+  cross-entropy-shaped term from the grad kernel, with the exact values at the teacher ids
+  written over it.
+- dense teacher: the teacher's logits are blocked like the student's (its own buffer);
+  statistics of both, the divergence's row sums, then dz over the student's block.
+
+"speed" (whole rows) with a reduced loss forms the gradients in the forward pass; otherwise
+the backward pass recomputes the blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from interop.blocking import block_shape
+from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
+from interop.options import default_chunk_rows
+from torch_impl.blocked import BlockPlan, HeadBlocks, _final
+from torch_impl.distill_ops import KernelOps, TorchOps
+from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
+from torch_impl.rows import compute_dtype
+
+
+def plan_distillation(strategy: str, n_rows: int, hidden: int, vocab: int, dtype, accumulate_in_input_dtype: bool):
+    """(BlockPlan, ops) of "speed" / "memory" (Triton kernels) or "chunked" (PyTorch ops
+    on row chunks of whole rows)."""
+    wide = compute_dtype(dtype)
+    if strategy == "chunked":
+        rows = default_chunk_rows(n_rows, hidden, vocab)
+        return BlockPlan("chunked", rows, vocab, dtype if accumulate_in_input_dtype else wide), TorchOps
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize)
+    acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
+    return BlockPlan(strategy, rows, cols, acc), KernelOps
+
+
+def _head(x, W, b, layout, plan, ops, vocab=None) -> HeadBlocks:
+    dtype = compute_dtype(x.dtype) if ops.logits_dtype == "compute" else None
+    return HeadBlocks(x, W, b, layout, plan, vocab=vocab, logits_dtype=dtype)
+
+
+def _running(R: int, dtype, device):
+    """(m, l, s_y) before any column: (-inf, 0, 0)."""
+    return (torch.full((R,), -math.inf, dtype=dtype, device=device), torch.zeros(R, dtype=dtype, device=device),
+            torch.zeros(R, dtype=dtype, device=device))
+
+
+# ----------------------------------------------------------------------------- top-K teacher
+
+
+def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistillationOptions, layout, plan, ops,
+                 num_items, grads_now=(False, False, False)):
+    """(loss, saved, grads): saved = (lse_T, lse_1, s_ids, s_y) per row for the backward
+    pass; grads = (dx, dW, db) for an upstream gradient of 1 if any of grads_now is set.
+    y_N: int64, -1 where there is no (valid, in-range) target."""
+    blocks = _head(x_ND, W, b_V, layout, plan, ops)
+    n, dev, K = x_ND.shape[0], x_ND.device, teacher.ids.shape[1]
+    wide = compute_dtype(x_ND.dtype)
+    two = o.weight_hard > 0 and o.temperature != 1.0
+    lse_T, lse_1, s_y = (torch.empty(n, dtype=wide, device=dev) for _ in range(3))
+    s_ids = torch.empty(n, K, dtype=wide, device=dev)
+    loss = torch.empty(n, dtype=wide, device=dev)
+    in_forward = any(grads_now)
+    assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
+    dx, _, dW, db = blocks.gradient_buffers(*grads_now)
+    r_N = row_weights(valid_N, o.reduction, torch.ones((), device=dev), num_items, wide) if in_forward else None
+    for rs in blocks.row_blocks():
+        R = rs.stop - rs.start
+        m, l, sy = _running(R, wide, dev)
+        m1, l1, sy1 = _running(R, wide, dev)
+        s_ids[rs] = 0
+        for v0, cols in blocks.col_blocks():
+            z = blocks.logits(rs, v0, cols)
+            ops.stats_(z, v0, b_V, y_N[rs], m, l, sy, o.softcap, 1.0 / o.temperature)
+            if two:
+                ops.stats_(z, v0, b_V, y_N[rs], m1, l1, sy1, o.softcap, 1.0)
+            s_ids[rs] += gather_entries(z, v0, teacher.ids[rs], b_V, o.softcap, wide)
+        lse_T[rs] = m + torch.log(l)
+        lse_1[rs] = m1 + torch.log(l1) if two else lse_T[rs]
+        s_y[rs] = sy
+        loss[rs], A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], sy, teacher, rs, o)
+        if in_forward:
+            g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
+            dz = ops.grad(z, 0, b_V, y_N[rs], o.softcap, 1.0 / o.temperature, lse_T[rs], g.p1, g.ty, g.second)
+            ops.put_(dz, 0, teacher.ids[rs], g.at_ids)
+            blocks.add_grads(dz, rs, 0, blocks.vocab, None if dx is None else dx[rs], dW, db)
+    total = reduce_rows(loss, valid_N, o.reduction, num_items)
+    z = dz = blocks = None  # the logits buffer goes before dW's conversion allocates its result
+    return total, (lse_T, lse_1, s_ids, s_y), (dx, _final(dW, W), _final(db, b_V))
+
+
+def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
+                  need=(True, True, True)):
+    """(dx, dW, db) recomputing the logits block by block; None where not needed."""
+    blocks = _head(x_ND, W, b_V, layout, plan, ops)
+    lse_T, lse_1, s_ids, s_y = saved
+    r_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_T.dtype)
+    dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
+    for rs in blocks.row_blocks():
+        _, A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], s_y[rs], teacher, rs, o)
+        g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
+        for v0, cols in blocks.col_blocks():
+            dz = ops.grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], o.softcap, 1.0 / o.temperature, lse_T[rs],
+                          g.p1, g.ty, g.second)
+            ops.put_(dz, v0, teacher.ids[rs], g.at_ids)
+            _add(blocks, dz, rs, v0, cols, dx, dx_acc, dW, db)
+        _flush(dx, dx_acc, rs)
+    dz = blocks = dx_acc = None
+    return dx, _final(dW, W), _final(db, b_V)
+
+
+def _add(blocks: HeadBlocks, dz, rs, v0, cols, dx, dx_acc, dW, db) -> None:
+    dx_out = None if dx is None else (dx[rs] if dx_acc is None else dx_acc[: rs.stop - rs.start])
+    blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+
+
+def _flush(dx, dx_acc, rs) -> None:
+    if dx_acc is not None:
+        dx[rs] = dx_acc[: rs.stop - rs.start]
+        dx_acc.zero_()
+
+
+class TopKDistillation(torch.autograd.Function):
+    """Over flattened rows: x [N, D], W, b [V] or None; returns the reduced loss (fp32, or
+    fp64 for fp64 inputs). Non-tensor arguments: the teacher (TopKTeacher), y [N] int64 (-1:
+    none), valid [N], options, layout, plan, ops, num_items (None, a number or a 0-d tensor)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items):
+        need = ctx.needs_input_grad[:3]
+        vocab = W.shape[0] if layout == "VD" else W.shape[1]
+        in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
+        loss, saved, grads = topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items,
+                                          need if in_forward else (False, False, False))
+        ctx.in_forward, ctx.grads = in_forward, grads if in_forward else None
+        ctx.args = (teacher, y_N, valid_N, o, layout, plan, ops, num_items)
+        if not in_forward:
+            ctx.save_for_backward(x_ND, W, b_V, *saved)
+        ctx.set_materialize_grads(False)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        none = (None,) * 8
+        if grad_loss is None:
+            return (None, None, None) + none
+        if ctx.in_forward:
+            grads, ctx.grads = ctx.grads, None
+            return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
+        x_ND, W, b_V, *saved = ctx.saved_tensors
+        teacher, y_N, valid_N, o, layout, plan, ops, num_items = ctx.args
+        grads = topk_backward(grad_loss, x_ND, W, b_V, teacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
+                              ctx.needs_input_grad[:3])
+        return tuple(grads) + none
+
+
+# ----------------------------------------------------------------------------- dense teacher
+
+
+def _divergence(a, b, o: DenseDistillationOptions):
+    if o.divergence == "forward_kl":
+        return a
+    if o.divergence == "reverse_kl":
+        return b
+    return o.beta * a + (1 - o.beta) * b
+
+
+def dense_forward(x_ND, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layout, vocab, plan, ops, num_items,
+                  grads_now=(False, False)):
+    """(loss, saved, grads) over the first `vocab` classes of both heads: saved = (lse_s,
+    lse_t, b) per row; grads = (dx, dW) for an upstream gradient of 1 if grads_now."""
+    student = _head(x_ND, W, None, layout, plan, ops, vocab)
+    teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab)
+    n, dev, wide = x_ND.shape[0], x_ND.device, compute_dtype(x_ND.dtype)
+    lse_s, lse_t, kl_q = (torch.empty(n, dtype=wide, device=dev) for _ in range(3))
+    loss = torch.empty(n, dtype=wide, device=dev)
+    no_y = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    in_forward = any(grads_now)
+    dx, _, dW, _ = student.gradient_buffers(*grads_now, False)
+    r_N = row_weights(valid_N, o.reduction, torch.ones((), device=dev), num_items, wide) if in_forward else None
+    for rs in student.row_blocks():
+        R = rs.stop - rs.start
+        ms, ls, sy = _running(R, wide, dev)
+        mt, lt, _ = _running(R, wide, dev)
+        for v0, cols in student.col_blocks():
+            s, t = student.logits(rs, v0, cols), teacher.logits(rs, v0, cols)
+            ops.stats_(s, v0, None, no_y[rs], ms, ls, sy, None, 1.0 / o.temperature)
+            ops.stats_(t, v0, None, no_y[rs], mt, lt, sy, None, 1.0 / o.temperature)
+        lse_s[rs], lse_t[rs] = ms + torch.log(ls), mt + torch.log(lt)
+        a, b = torch.zeros(R, dtype=wide, device=dev), torch.zeros(R, dtype=wide, device=dev)
+        for v0, cols in student.col_blocks():
+            if not student.whole_rows:
+                s, t = student.logits(rs, v0, cols), teacher.logits(rs, v0, cols)
+            ops.pair_sums_(s, t, lse_s[rs], lse_t[rs], a, b, o)
+        loss[rs], kl_q[rs] = o.scale * _divergence(a, b, o), b
+        if in_forward:
+            dz = ops.pair_grad(s, t, lse_s[rs], lse_t[rs], b, r_N[rs] * (o.scale / o.temperature), o)
+            student.add_grads(dz, rs, 0, vocab, None if dx is None else dx[rs], dW, None)
+    total = reduce_rows(loss, valid_N, o.reduction, num_items)
+    s = t = dz = student = teacher = None
+    return total, (lse_s, lse_t, kl_q), (dx, _final(dW, W))
+
+
+def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items, need=(True, True)):
+    """(dx, dW) recomputing both heads' logits block by block; None where not needed."""
+    student = _head(x_ND, W, None, layout, plan, ops, vocab)
+    teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab)
+    lse_s, lse_t, kl_q = saved
+    coef_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_s.dtype) * (o.scale / o.temperature)
+    dx, dx_acc, dW, _ = student.gradient_buffers(*need, False)
+    for rs in student.row_blocks():
+        for v0, cols in student.col_blocks():
+            s, t = student.logits(rs, v0, cols), teacher.logits(rs, v0, cols)
+            dz = ops.pair_grad(s, t, lse_s[rs], lse_t[rs], kl_q[rs], coef_N[rs], o)
+            _add(student, dz, rs, v0, cols, dx, dx_acc, dW, None)
+        _flush(dx, dx_acc, rs)
+    s = t = dz = student = teacher = dx_acc = None
+    return dx, _final(dW, W)
+
+
+class DenseDistillation(torch.autograd.Function):
+    """Over flattened rows: student x [N, D] and W, teacher xt [N, Dt] and Wt (no gradient);
+    returns the reduced loss (fp32, fp64 for fp64 inputs). Non-tensor arguments: valid [N],
+    options, layout, vocab (min of both), plan, ops, num_items."""
+
+    @staticmethod
+    def forward(ctx, x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items):
+        need = ctx.needs_input_grad[:2]
+        in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
+        loss, saved, grads = dense_forward(x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items,
+                                           need if in_forward else (False, False))
+        ctx.in_forward, ctx.grads = in_forward, grads if in_forward else None
+        ctx.args = (valid_N, o, layout, vocab, plan, ops, num_items)
+        if not in_forward:
+            ctx.save_for_backward(x_ND, W, xt_ND, Wt, *saved)
+        ctx.set_materialize_grads(False)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        none = (None,) * 9
+        if grad_loss is None:
+            return (None, None) + none
+        if ctx.in_forward:
+            grads, ctx.grads = ctx.grads, None
+            return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
+        x_ND, W, xt_ND, Wt, *saved = ctx.saved_tensors
+        valid_N, o, layout, vocab, plan, ops, num_items = ctx.args
+        grads = dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items,
+                               ctx.needs_input_grad[:2])
+        return tuple(grads) + none

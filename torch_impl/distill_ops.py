@@ -1,0 +1,114 @@
+"""The block steps of the distillation paths, twice: on the Triton kernels (`KernelOps`,
+CUDA or TRITON_INTERPRET=1) and in plain PyTorch (`TorchOps`, the fallback: fp32 logits,
+fp64 for fp64 inputs). `torch_impl.distill_blocked` drives either.
+
+Each step works on one logits block z [R, C] (columns v0..v0+C, no bias) and per-row fp32
+(or fp64) vectors; "stats" merge the block into running (m, l) of scale * s and s at the
+target; "grad" returns dz (the kernels write it over z).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_impl import kernels, pair_kernels
+
+
+class KernelOps:
+    """The steps on the Triton kernels; the logits stay in the input dtype."""
+
+    logits_dtype = None
+
+    @staticmethod
+    def stats_(z, v0, b_V, y_R, m_R, l_R, sy_R, softcap, scale: float) -> None:
+        ws = torch.empty_like(m_R)
+        kernels.block_stats_(z, v0, b_V, None, y_R, m_R, l_R, sy_R, ws, softcap, False, scale)
+
+    @staticmethod
+    def grad(z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second):
+        kernels.block_grad_(z, z, v0, b_V, None, y_R, lse_R, p_R, ty_R, torch.zeros_like(p_R), softcap, scale, second)
+        return z
+
+    @staticmethod
+    def put_(dz, v0, ids_RK, values_RK) -> None:
+        kernels.put_entries_(dz, v0, ids_RK, values_RK.float().contiguous())
+
+    @staticmethod
+    def pair_sums_(s, t, lse_s, lse_t, a_R, b_R, o) -> None:
+        pair_kernels.pair_sums_(s, t, lse_s, lse_t, a_R, b_R, o.divergence, o.temperature, o.beta)
+
+    @staticmethod
+    def pair_grad(s, t, lse_s, lse_t, b_R, coef_R, o):
+        pair_kernels.pair_grad_(s, t, s, lse_s, lse_t, b_R, coef_R, o.divergence, o.temperature, o.beta)
+        return s
+
+
+def _capped(z, v0, b_V, softcap):
+    s = z if b_V is None else z + b_V[v0 : v0 + z.shape[1]].to(z.dtype)
+    return s if softcap is None else softcap * torch.tanh(s / softcap)
+
+
+def _log_probs(s, t, lse_s, lse_t, o):
+    return s / o.temperature - lse_s[:, None], t / o.temperature - lse_t[:, None]
+
+
+def _log_mix(lq, lp, beta: float):
+    return torch.logaddexp(lp + torch.log(torch.tensor(beta, dtype=lp.dtype)), lq + torch.log1p(torch.tensor(-beta, dtype=lq.dtype)))
+
+
+class TorchOps:
+    """The same steps in PyTorch ops, on logits in the compute dtype (fp32 or fp64)."""
+
+    logits_dtype = "compute"
+
+    @staticmethod
+    def stats_(z, v0, b_V, y_R, m_R, l_R, sy_R, softcap, scale: float) -> None:
+        s = _capped(z, v0, b_V, softcap)
+        u = s * scale
+        m_new = torch.maximum(m_R, u.max(dim=1).values)
+        l_R.mul_(torch.exp(m_R - m_new)).add_(torch.exp(u - m_new[:, None]).sum(1))
+        m_R.copy_(m_new)
+        col = y_R - v0
+        inside = (col >= 0) & (col < z.shape[1])
+        sy_R.add_(torch.where(inside, s.gather(1, col.clamp(0, z.shape[1] - 1)[:, None])[:, 0], torch.zeros_like(sy_R)))
+
+    @staticmethod
+    def grad(z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second):
+        s = _capped(z, v0, b_V, softcap)
+        dz = p_R[:, None] * torch.exp(s * scale - lse_R[:, None])
+        if second is not None:
+            dz += second[0][:, None] * torch.exp(s - second[1][:, None])
+        col = y_R - v0
+        inside = (col >= 0) & (col < z.shape[1])
+        dz.scatter_add_(1, col.clamp(0, z.shape[1] - 1)[:, None], torch.where(inside, -ty_R, torch.zeros_like(ty_R))[:, None])
+        return dz if softcap is None else dz * (1 - (s / softcap) ** 2)
+
+    @staticmethod
+    def put_(dz, v0, ids_RK, values_RK) -> None:
+        col = ids_RK - v0
+        inside = (col >= 0) & (col < dz.shape[1])
+        rows = torch.arange(dz.shape[0], device=dz.device)[:, None].expand_as(col)
+        dz[rows[inside], col[inside]] = values_RK[inside].to(dz.dtype)
+
+    @staticmethod
+    def pair_sums_(s, t, lse_s, lse_t, a_R, b_R, o) -> None:
+        lq, lp = _log_probs(s, t, lse_s, lse_t, o)
+        if o.divergence == "forward_kl":
+            a_R += (lp.exp() * (lp - lq)).sum(1)
+        elif o.divergence == "reverse_kl":
+            b_R += (lq.exp() * (lq - lp)).sum(1)
+        else:
+            lm = _log_mix(lq, lp, o.beta)
+            a_R += (lp.exp() * (lp - lm)).sum(1)
+            b_R += (lq.exp() * (lq - lm)).sum(1)
+
+    @staticmethod
+    def pair_grad(s, t, lse_s, lse_t, b_R, coef_R, o):
+        lq, lp = _log_probs(s, t, lse_s, lse_t, o)
+        if o.divergence == "forward_kl":
+            g = lq.exp() - lp.exp()
+        elif o.divergence == "reverse_kl":
+            g = lq.exp() * (lq - lp - b_R[:, None])
+        else:
+            g = (1 - o.beta) * lq.exp() * (lq - _log_mix(lq, lp, o.beta) - b_R[:, None])
+        return coef_R[:, None] * g

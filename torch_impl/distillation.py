@@ -1,0 +1,180 @@
+"""The distillation losses for PyTorch (interop/SPEC-DISTILLATION.md): check the call, then
+run the Triton path (CUDA) or the PyTorch fallback (`torch_impl.distill_blocked`)."""
+
+from __future__ import annotations
+
+import torch
+
+from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_reduction,
+                                  check_topk_inputs, teacher_id_out_of_range_message)
+from interop.options import check_strategy, target_out_of_range_message
+from torch_impl.distill_blocked import DenseDistillation, TopKDistillation, plan_distillation
+from torch_impl.distill_rows import TopKTeacher, valid_rows
+from torch_impl.functional import choose_strategy, dtype_name
+from torch_impl.rows import compute_dtype
+
+
+def _name(t):
+    return None if t is None else dtype_name(t.dtype)
+
+
+def _shape(t):
+    return None if t is None else tuple(t.shape)
+
+
+def _num_items(num_items_in_batch, dtype, device):
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.to(device=device, dtype=dtype)
+    if isinstance(num_items_in_batch, bool) or not float(num_items_in_batch) > 0:
+        raise ValueError(f"num_items_in_batch must be a number > 0 or a tensor, got {num_items_in_batch!r}")
+    return float(num_items_in_batch)
+
+
+def _autocast(*tensors):
+    """Cast floating inputs to the autocast dtype, as F.linear would."""
+    if not torch.is_autocast_enabled(tensors[0].device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+@torch.compiler.disable
+def linear_topk_distillation(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    target: torch.Tensor | None = None,
+    linear_bias: torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    renormalize_teacher: bool = True,
+    tail_bucket: bool = False,
+    temperature_squared: bool = True,
+    weight_soft: float = 1.0,
+    weight_hard: float = 0.0,
+    reduction: str = "mean",
+    num_items_in_batch=None,
+    ignore_index: int | None = -100,
+    softcap: float | None = None,
+    weight_layout: str = "VD",
+    strategy: str = "auto",
+    accumulate_in_input_dtype: bool = False,
+):
+    """Distillation from a top-K sparse teacher, fused with the student's head.
+
+    KL(teacher's top-K distribution || student's full-vocabulary softmax at temperature T),
+    optionally mixed with a hard-label cross-entropy, without the N x V logits
+    (interop/SPEC-DISTILLATION.md defines every option).
+
+    Args:
+        input: [..., D] student hidden states (bf16/fp16/fp32/fp64).
+        linear_weight: [V, D] ("VD") or [D, V] ("DV"), the input's dtype.
+        teacher_ids: [..., K] integer token ids; ids < 0 are padding.
+        teacher_logprobs: [..., K] the teacher's log-probabilities of those ids (-inf: padding).
+        target: optional [...] hard labels (for weight_hard and to mask ignore_index rows).
+        linear_bias: optional [V]. row_mask: optional [...] bool, False rows are left out.
+        temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
+        weight_hard, softcap: see interop.distillation.TopKDistillationOptions.
+        reduction: "mean" (over valid rows, or over num_items_in_batch), "sum" or "none".
+        strategy, accumulate_in_input_dtype, weight_layout: as for linear_cross_entropy.
+
+    Returns:
+        The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
+        Gradients flow to input, linear_weight and linear_bias.
+    """
+    input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
+    o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
+                                weight_hard, reduction, ignore_index, softcap)
+    check_strategy(strategy)
+    check_reduction(reduction, num_items_in_batch)
+    shape = check_topk_inputs(
+        input_shape=tuple(input.shape), input_dtype=_name(input), weight_shape=tuple(linear_weight.shape),
+        weight_dtype=_name(linear_weight), ids_shape=tuple(teacher_ids.shape), ids_dtype=_name(teacher_ids),
+        logprobs_shape=tuple(teacher_logprobs.shape), logprobs_dtype=_name(teacher_logprobs),
+        target_shape=_shape(target), target_dtype=_name(target), bias_shape=_shape(linear_bias),
+        bias_dtype=_name(linear_bias), row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask),
+        weight_layout=weight_layout, weight_hard=o.weight_hard)
+    n, V, dev = shape.n_rows, shape.vocab, input.device
+    ids = teacher_ids.reshape(n, shape.k).to(torch.int64)
+    if bool((ids >= V).any()):
+        raise ValueError(teacher_id_out_of_range_message(int(ids[ids >= V][0]), V))
+    y = None if target is None else target.reshape(n).to(torch.int64)
+    valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), o.ignore_index, dev)
+    y_kernel = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    if y is not None and o.weight_hard:
+        bad = valid & ((y < 0) | (y >= V))
+        if bool(bad.any()):
+            raise ValueError(target_out_of_range_message(int(y[bad][0]), V, o.ignore_index))
+        y_kernel = torch.where(valid, y, y_kernel)
+    x_ND = input.reshape(n, shape.hidden)
+    wide = compute_dtype(input.dtype)
+    teacher = TopKTeacher(ids, teacher_logprobs.reshape(n, shape.k), o.renormalize_teacher, wide)
+    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, V)
+    plan, ops = plan_distillation(strategy, n, shape.hidden, V, input.dtype, accumulate_in_input_dtype)
+    loss = TopKDistillation.apply(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, o, weight_layout, plan, ops,
+                                  _num_items(num_items_in_batch, wide, dev))
+    return loss.reshape(shape.lead_shape) if reduction == "none" else loss
+
+
+@torch.compiler.disable
+def linear_distillation(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    target: torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    temperature_squared: bool = True,
+    reduction: str = "mean",
+    num_items_in_batch=None,
+    ignore_index: int | None = -100,
+    weight_layout: str = "VD",
+    strategy: str = "auto",
+    accumulate_in_input_dtype: bool = False,
+):
+    """Distillation from a dense teacher, both heads fused: no N x V buffer of either.
+
+    Args:
+        input: [..., D] student hidden states; linear_weight: [V, D] ("VD") or [D, V].
+        teacher_input: [..., Dt] teacher hidden states (the input's dtype and leading
+            shape); teacher_weight: [Vt, Dt] or [Dt, Vt] (same layout). Neither gets a
+            gradient. Both distributions cover the first min(V, Vt) classes.
+        target: optional [...] labels, only to mask ignore_index rows; row_mask: optional
+            [...] bool.
+        divergence: "forward_kl" (default), "reverse_kl" or "jsd" (with beta in (0, 1)).
+        temperature, temperature_squared: see interop.distillation.DenseDistillationOptions.
+        reduction: "mean" (over valid rows, or over num_items_in_batch), "sum" or "none".
+        strategy, accumulate_in_input_dtype, weight_layout: as for linear_cross_entropy.
+
+    Returns:
+        The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
+    """
+    input, linear_weight, teacher_input, teacher_weight = _autocast(input, linear_weight, teacher_input, teacher_weight)
+    o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
+    check_strategy(strategy)
+    check_reduction(reduction, num_items_in_batch)
+    shape = check_dense_inputs(
+        input_shape=tuple(input.shape), input_dtype=_name(input), weight_shape=tuple(linear_weight.shape),
+        weight_dtype=_name(linear_weight), teacher_input_shape=tuple(teacher_input.shape),
+        teacher_input_dtype=_name(teacher_input), teacher_weight_shape=tuple(teacher_weight.shape),
+        teacher_weight_dtype=_name(teacher_weight), target_shape=_shape(target), target_dtype=_name(target),
+        row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask), weight_layout=weight_layout)
+    n, dev = shape.n_rows, input.device
+    vocab = min(shape.vocab, shape.teacher_vocab)
+    y = None if target is None else target.reshape(n)
+    valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), o.ignore_index, dev)
+    x_ND = input.reshape(n, shape.hidden)
+    xt_ND = teacher_input.reshape(n, shape.teacher_hidden).detach()
+    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab)
+    plan, ops = plan_distillation(strategy, n, shape.hidden, vocab, input.dtype, accumulate_in_input_dtype)
+    loss = DenseDistillation.apply(x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid, o, weight_layout, vocab,
+                                   plan, ops, _num_items(num_items_in_batch, compute_dtype(input.dtype), dev))
+    return loss.reshape(shape.lead_shape) if reduction == "none" else loss
