@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from interop.blocking import block_shape
 from interop.options import CrossEntropyOptions
-from jax_impl.kernels import block_grad, block_stats
+from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl.matmul import contract
 from jax_impl.rows import TargetRows, reduce_loss, row_blocks, row_coefficients, row_loss
 
@@ -52,16 +52,17 @@ def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumul
                          interpret=platform != "gpu")
 
 
-class _Problem:
-    """The operands of one call and what every block needs from them."""
+class Head:
+    """One linear head's operands in blocks: x [N, D], W ([V, D] "VD" or [D, V] "DV"), bias;
+    `vocab` may be smaller than W's (its first classes); logits in `logits_dtype` (the
+    input's dtype unless given: the fallback's fp32)."""
 
-    def __init__(self, x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
-        self.x, self.W, self.b, self.cfg = x_ND, W, b_V, cfg
-        self.vd = cfg.weight_layout == "VD"
-        self.vocab = W.shape[0] if self.vd else W.shape[1]
-        self.cw = None if cw_V is None else cw_V.astype(jnp.float32)
-        self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
-        self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, jnp.float32)
+    def __init__(self, x_ND, W, b_V, weight_layout: str, block_cols: int, vocab: int | None = None, logits_dtype=None):
+        self.x, self.W, self.b = x_ND, W, b_V
+        self.vd = weight_layout == "VD"
+        self.vocab = (W.shape[0] if self.vd else W.shape[1]) if vocab is None else vocab
+        self.block_cols = block_cols
+        self.logits_dtype = x_ND.dtype if logits_dtype is None else logits_dtype
 
     def head_cols(self, v0, cols: int):
         """W's vocabulary columns v0..v0+cols ([cols, D] for "VD", [D, cols] for "DV")."""
@@ -71,21 +72,34 @@ class _Problem:
         return jax.lax.dynamic_slice_in_dim(self.W, v0, cols, axis=axis)
 
     def logits(self, x_RD, W_c):
-        """z [R, cols] = x W_c^T (no bias) in the input dtype, accumulated in fp32."""
-        return contract(x_RD, W_c, 1, 1 if self.vd else 0).astype(x_RD.dtype)
+        """z [R, cols] = x W_c^T (no bias) in logits_dtype, accumulated in fp32 (or fp64)."""
+        wide = jnp.float64 if self.logits_dtype == jnp.float64 else jnp.float32
+        return contract(x_RD, W_c, 1, 1 if self.vd else 0, wide).astype(self.logits_dtype)
 
     def grad_input_share(self, dz, W_c):
-        """dz W_c: [R, D] in fp32."""
-        return contract(dz, W_c, 1, 0 if self.vd else 1)
+        """dz W_c: [R, D] in fp32 (fp64 for fp64 dz)."""
+        return contract(dz, W_c.astype(dz.dtype), 1, 0 if self.vd else 1, _wide(dz))
 
     def grad_weight_share(self, dz, x_RD):
-        """dz^T x ([cols, D]) or x^T dz ([D, cols]) in fp32."""
-        return contract(dz, x_RD, 0, 0) if self.vd else contract(x_RD, dz, 0, 0)
+        """dz^T x ([cols, D]) or x^T dz ([D, cols]) in fp32 (fp64 for fp64 dz)."""
+        x_RD = x_RD.astype(dz.dtype)
+        return contract(dz, x_RD, 0, 0, _wide(dz)) if self.vd else contract(x_RD, dz, 0, 0, _wide(dz))
+
+    def add_shares(self, dz, x_R, v0, cols: int, dW, db, dx_acc):
+        """(dW, db, dx_acc) plus dz [R, cols]'s shares (columns v0..v0+cols; db may be None)."""
+        axis = 0 if self.vd else 1
+        dx_acc = dx_acc + self.grad_input_share(dz, self.head_cols(v0, cols))
+        dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
+        dW = jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R).astype(dW.dtype), v0, axis=axis)
+        if db is not None:
+            db_c = jax.lax.dynamic_slice_in_dim(db, v0, cols) + dz.astype(db.dtype).sum(0)
+            db = jax.lax.dynamic_update_slice_in_dim(db, db_c, v0, axis=0)
+        return dW, db, dx_acc
 
     def col_loop(self, body, carry):
         """carry = body(v0, cols, carry) over the column blocks: a loop over the full blocks
         (v0 traced) and one call for the remainder (static)."""
-        cols = self.cfg.block_cols
+        cols = self.block_cols
         n_full, rest = divmod(self.vocab, cols)
         if n_full == 1 and not rest:
             return body(0, cols, carry)
@@ -93,13 +107,24 @@ class _Problem:
         return body(n_full * cols, rest, carry) if rest else carry
 
 
-def _v0_array(v0):
-    return jnp.asarray(v0, jnp.int32).reshape(1)
+def _wide(a):
+    return jnp.float64 if a.dtype == jnp.float64 else jnp.float32
+
+
+class _Problem(Head):
+    """A cross-entropy call: the head plus the options and target facts."""
+
+    def __init__(self, x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
+        super().__init__(x_ND, W, b_V, cfg.weight_layout, cfg.block_cols)
+        self.cfg = cfg
+        self.cw = None if cw_V is None else cw_V.astype(jnp.float32)
+        self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
+        self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, jnp.float32)
 
 
 def _stats_of_block(prob: _Problem, z, v0, y_R, stats):
     opts = prob.cfg.options
-    return block_stats(z, _v0_array(v0), prob.b, prob.cw, y_R, stats, opts.softcap, opts.label_smoothing > 0,
+    return block_stats(z, v0_array(v0), prob.b, prob.cw, y_R, stats, opts.softcap, opts.label_smoothing > 0,
                        prob.cfg.interpret)
 
 
@@ -137,7 +162,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         lse = m + jnp.log(l)
         block_rows = TargetRows(y_R, valid_R, in_range_R, bad_R, cw_y_R)
         coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
-        dz = block_grad(z, _v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
+        dz = block_grad(z, v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
         dx_R = prob.grad_input_share(dz, W).astype(x_R.dtype)
         dW = dW + prob.grad_weight_share(dz, x_R).astype(dW.dtype)
         return (dW, db + dz.astype(jnp.float32).sum(0)), (lse, s_y, ws, dx_R)
@@ -164,21 +189,14 @@ def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig)
     rows, n, R = prob.rows, x_ND.shape[0], cfg.block_rows
     opts = cfg.options
     p_coef, t_coef, s_coef = row_coefficients(g_loss, g_lse, lse_N, rows, prob.cw_sum, opts, prob.vocab)
-    axis = 0 if prob.vd else 1
 
     def row_step(carry, xs):
         x_R, y_R, lse_R, p_R, t_R, s_R = xs
 
         def body(v0, cols, c):
-            dW, db, dx_acc = c
-            W_c = prob.head_cols(v0, cols)
-            dz = block_grad(prob.logits(x_R, W_c), _v0_array(v0), prob.b, prob.cw, y_R, lse_R, p_R, t_R, s_R,
-                            opts.softcap, cfg.interpret)
-            dx_acc = dx_acc + prob.grad_input_share(dz, W_c)
-            dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
-            dW = jax.lax.dynamic_update_slice_in_dim(dW, dW_c + prob.grad_weight_share(dz, x_R).astype(dW.dtype), v0, axis=axis)
-            db_c = jax.lax.dynamic_slice_in_dim(db, v0, cols) + dz.astype(jnp.float32).sum(0)
-            return dW, jax.lax.dynamic_update_slice_in_dim(db, db_c, v0, axis=0), dx_acc
+            dz = block_grad(prob.logits(x_R, prob.head_cols(v0, cols)), v0_array(v0), prob.b, prob.cw, y_R, lse_R, p_R,
+                            t_R, s_R, opts.softcap, cfg.interpret)
+            return prob.add_shares(dz, x_R, v0, cols, *c)
 
         dW, db = carry
         dW, db, dx_acc = prob.col_loop(body, (dW, db, jnp.zeros(x_R.shape, jnp.float32)))

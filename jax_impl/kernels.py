@@ -2,10 +2,11 @@
 column offset v0): the row-wise work between the matrix products, as in
 `torch_impl.kernels`.
 
-- `block_stats`: merges the block into running per-row statistics (m, l, s_y, ws), so
-  lse = m + log(l) once every column block of the rows has been seen.
+- `block_stats`: merges the block into running per-row statistics (m, l of scale * s,
+  s_y, ws), so lse = m + log(l) once every column block of the rows has been seen.
 - `block_grad`: rewrites the block as dz (interop/SPEC.md) from per-row lse and the
-  coefficients (P, T, S), in place (the output aliases z).
+  coefficients (P, T, S), optionally with a second softmax term (distillation at a
+  temperature), in place (the output aliases z).
 
 One program per row, looping over its columns. Both use the Triton lowering of
 `pallas_call` (masked loads over a vocabulary that is no power of two), which exists in
@@ -55,7 +56,7 @@ def _load_scalar(ref, row):
     return plt.load(ref.at[pl.ds(row, 1)])[0]
 
 
-def _stats_kernel(v0_ref, z_ref, *refs, C, cap, has_bias, has_cw, need_ws, block):
+def _stats_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, need_ws, block):
     b_ref = refs[0] if has_bias else None
     cw_ref = refs[int(has_bias)] if has_cw else None
     y_ref, m_in, l_in, sy_in, ws_in, m_out, l_out, sy_out, ws_out = refs[int(has_bias) + int(has_cw):]
@@ -70,7 +71,7 @@ def _stats_kernel(v0_ref, z_ref, *refs, C, cap, has_bias, has_cw, need_ws, block
         offs = start + jnp.arange(block)
         mask = offs < C
         s = _capped(z_ref, b_ref, row, v0, start, block, mask, cap)
-        s_in = jnp.where(mask, s, ninf)
+        s_in = jnp.where(mask, s * scale, ninf)
         m_new = jnp.maximum(m_vec, s_in)
         m_safe = jnp.where(m_new == ninf, 0.0, m_new)
         l_vec = l_vec * jnp.exp(m_vec - m_safe) + jnp.exp(s_in - m_safe)
@@ -94,22 +95,26 @@ def _stats_kernel(v0_ref, z_ref, *refs, C, cap, has_bias, has_cw, need_ws, block
     _store_scalar(ws_out, row, _load_scalar(ws_in, row) + jnp.sum(ws_vec))
 
 
-def _grad_kernel(v0_ref, z_ref, *refs, C, cap, has_bias, has_cw, block):
+def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, block):
     b_ref = refs[0] if has_bias else None
     cw_ref = refs[int(has_bias)] if has_cw else None
-    y_ref, lse_ref, p_ref, t_ref, s_ref, dz_ref = refs[int(has_bias) + int(has_cw):]
+    y_ref, lse_ref, p_ref, t_ref, s_ref, p2_ref, lse2_ref, dz_ref = refs[int(has_bias) + int(has_cw):]
     row = pl.program_id(0)
     v0 = _load_scalar(v0_ref, 0)
     y = _load_scalar(y_ref, row) - v0
     lse, p_coef = _load_scalar(lse_ref, row), _load_scalar(p_ref, row)
     t_coef, s_coef = _load_scalar(t_ref, row), _load_scalar(s_ref, row)
+    if has_p2:
+        p2_coef, lse2 = _load_scalar(p2_ref, row), _load_scalar(lse2_ref, row)
 
     def body(i, carry):
         start = i * block
         offs = start + jnp.arange(block)
         mask = offs < C
         s = _capped(z_ref, b_ref, row, v0, start, block, mask, cap)
-        dz = p_coef * jnp.exp(s - lse) - jnp.where(offs == y, t_coef, 0.0)
+        dz = p_coef * jnp.exp(s * scale - lse) - jnp.where(offs == y, t_coef, 0.0)
+        if has_p2:
+            dz = dz + p2_coef * jnp.exp(s - lse2)
         if cw_ref is not None:
             dz = dz - s_coef * plt.load(cw_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
         else:
@@ -123,6 +128,11 @@ def _grad_kernel(v0_ref, z_ref, *refs, C, cap, has_bias, has_cw, block):
     jax.lax.fori_loop(0, pl.cdiv(C, block), body, 0)
 
 
+def v0_array(v0):
+    """A column offset (int or traced) as the int32 [1] array the kernels take."""
+    return jnp.asarray(v0, jnp.int32).reshape(1)
+
+
 def _block(C: int) -> int:
     return min(BLOCK_C, pl.next_power_of_2(C))
 
@@ -131,12 +141,12 @@ def _extras(b_V, cw_V):
     return [a for a in (b_V, cw_V) if a is not None]
 
 
-def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool, interpret: bool):
+def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool, interpret: bool, scale: float = 1.0):
     """Merge logits block z [R, C] (columns v0..v0+C; v0 an int32 [1] array) into the
     running statistics `stats` = (m, l, s_y, ws), each fp32 [R]; returns the new ones.
-    interpret: Pallas interpret mode (anywhere but a GPU)."""
+    m and l are those of scale * s. interpret: Pallas interpret mode (anywhere but a GPU)."""
     R, C = z_RC.shape
-    kernel = functools.partial(_stats_kernel, C=C, cap=softcap, has_bias=b_V is not None, has_cw=cw_V is not None,
+    kernel = functools.partial(_stats_kernel, C=C, cap=softcap, scale=float(scale), has_bias=b_V is not None, has_cw=cw_V is not None,
                                need_ws=need_ws, block=_block(C))
     args = [v0, z_RC, *_extras(b_V, cw_V), y_R, *stats]
     first_stat = len(args) - 4
@@ -150,11 +160,15 @@ def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool, interpr
     )(*args)
 
 
-def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, interpret: bool):
-    """dz [R, C] (z's dtype, written over z) for logits block z (columns v0..v0+C)."""
+def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, interpret: bool, scale: float = 1.0,
+               second=None):
+    """dz [R, C] (z's dtype, written over z) for logits block z (columns v0..v0+C):
+    (P exp(scale s - lse) [+ P2 exp(s - lse2)] - T [j == y] - S cw_j) * softcap'(z), with
+    second = (P2, lse2), fp32 [R] each, or None."""
     R, C = z_RC.shape
-    kernel = functools.partial(_grad_kernel, C=C, cap=softcap, has_bias=b_V is not None, has_cw=cw_V is not None,
-                               block=_block(C))
+    kernel = functools.partial(_grad_kernel, C=C, cap=softcap, scale=float(scale), has_bias=b_V is not None,
+                               has_cw=cw_V is not None, has_p2=second is not None, block=_block(C))
+    p2_R, lse2_R = (lse_R, lse_R) if second is None else second
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((R, C), z_RC.dtype),
@@ -162,4 +176,4 @@ def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, interpre
         input_output_aliases={1: 0},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
-    )(v0, z_RC, *_extras(b_V, cw_V), y_R, lse_R, p_R, t_R, s_R)
+    )(v0, z_RC, *_extras(b_V, cw_V), y_R, lse_R, p_R, t_R, s_R, p2_R, lse2_R)

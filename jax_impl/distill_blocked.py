@@ -1,0 +1,299 @@
+"""The distillation losses over blocks of logits (interop/SPEC-DISTILLATION.md) for JAX: the
+blocks and strategies of `jax_impl.blocked`, the block steps of `jax_impl.distill_ops`
+(Pallas kernels, or jax.numpy for the fallback), inside a `jax.custom_vjp`.
+
+As in `torch_impl.distill_blocked`: the top-K loss gathers s at the teacher ids from the
+blocks and writes the exact dz there over the grad kernel's dense term; the dense loss
+blocks the teacher's logits like the student's. Whole-row blocks with a reduced loss form
+the gradients in the forward rule; otherwise the backward rule recomputes the blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from interop.blocking import block_shape
+from interop.options import default_chunk_rows
+from jax_impl.blocked import Head
+from jax_impl.distill_ops import KernelOps, XlaOps
+from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, put_entries, reduce_rows, row_weights,
+                                   topk_row_terms)
+from jax_impl.rows import compute_dtype, row_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Static configuration of one call (a nondiff argument of the custom_vjp)."""
+
+    options: object  # TopKDistillationOptions or DenseDistillationOptions
+    weight_layout: str
+    strategy: str  # "speed", "memory" or "chunked"
+    block_rows: int
+    block_cols: int
+    vocab: int  # the classes covered (dense: min of both heads')
+    accumulate_in_input_dtype: bool
+    interpret: bool
+
+    @property
+    def grads_in_forward(self) -> bool:
+        return self.block_cols >= self.vocab and self.options.reduction != "none"
+
+    @property
+    def ops(self):
+        return XlaOps() if self.strategy == "chunked" else KernelOps(self.interpret)
+
+    def head(self, x, W, b=None) -> Head:
+        logits = compute_dtype(x.dtype) if self.strategy == "chunked" else None
+        return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits)
+
+    def accumulate_dtype(self, dtype):
+        if self.accumulate_in_input_dtype or self.strategy == "memory":
+            return dtype
+        return compute_dtype(dtype)
+
+
+def plan_distillation(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
+                      platform) -> DistillConfig:
+    if strategy == "chunked":
+        rows, cols = default_chunk_rows(n_rows, hidden, vocab), vocab
+    else:
+        rows, cols = block_shape(strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize)
+    return DistillConfig(options, weight_layout, strategy, rows, cols, vocab, accumulate_in_input_dtype,
+                         interpret=platform != "gpu")
+
+
+def _running(R: int, dtype):
+    """(m, l, s_y) before any column: (-inf, 0, 0)."""
+    return jnp.full((R,), -jnp.inf, dtype), jnp.zeros((R,), dtype), jnp.zeros((R,), dtype)
+
+
+def _scan_rows(row_step, carry, per_row, n: int, R: int):
+    """lax.scan of row_step over row blocks of the per-row arrays ((array, padding value) pairs)."""
+    xs = tuple(row_blocks(a, n, R, fill) for a, fill in per_row)
+    return jax.lax.scan(row_step, carry, xs)
+
+
+def _unblock(a, n: int):
+    return a.reshape((-1,) + a.shape[2:])[:n]
+
+
+def _grad_buffers(cfg: DistillConfig, W, bias: bool):
+    acc = cfg.accumulate_dtype(W.dtype)
+    db = jnp.zeros((W.shape[0] if cfg.weight_layout == "VD" else W.shape[1],), compute_dtype(W.dtype)) if bias else None
+    return jnp.zeros(W.shape, acc), db
+
+
+def _final(g, like):
+    return None if g is None else g.astype(like.dtype)
+
+
+# ----------------------------------------------------------------------------- top-K teacher
+
+
+def _teacher_rows(t: TopKTeacher):
+    return ((t.ids, -1), (t.P, 0), (t.logP, 0), (t.entry, False), (t.slot, 0), (t.bad, False))
+
+
+def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig, with_grads: bool):
+    """(loss, saved = (lse_T, lse_1, s_y, s_ids) per row, grads (dx, dW, db) for an upstream
+    gradient of 1 or None)."""
+    o, ops, head = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V)
+    n, wide, K = x_ND.shape[0], compute_dtype(x_ND.dtype), teacher.ids.shape[1]
+    two = o.weight_hard > 0 and o.temperature != 1.0
+    inv_t = 1.0 / o.temperature
+
+    def stats(z, v0, x_R, y_R, ids_R, c):
+        st, st1, s_ids = c
+        st = ops.stats(z, v0, b_V, y_R, st, o.softcap, inv_t)
+        st1 = ops.stats(z, v0, b_V, y_R, st1, o.softcap, 1.0) if two else st1
+        return st, st1, s_ids + gather_entries(z, v0, ids_R, b_V, o.softcap, wide)
+
+    def row_step(carry, xs):
+        x_R, y_R, r_R, ids_R, P_R, logP_R, entry_R, slot_R, bad_R = xs
+        R = x_R.shape[0]
+        init = (_running(R, wide), _running(R, wide), jnp.zeros((R, K), wide))
+        if with_grads:
+            z = head.logits(x_R, W)
+            (m, l, sy), (m1, l1, _), s_ids = stats(z, 0, x_R, y_R, ids_R, init)
+        else:
+            body = lambda v0, cols, c: stats(head.logits(x_R, head.head_cols(v0, cols)), v0, x_R, y_R, ids_R, c)
+            (m, l, sy), (m1, l1, _), s_ids = head.col_loop(body, init)
+        lse_T = m + jnp.log(l)
+        lse_1 = m1 + jnp.log(l1) if two else lse_T
+        loss_R, A, C = topk_row_terms(s_ids, lse_T, lse_1, sy, P_R, logP_R, entry_R, bad_R, o)
+        outs = (loss_R, lse_T, lse_1, sy, s_ids)
+        if not with_grads:
+            return carry, outs
+        g = TopKGradRows.build(r_R, A, C, s_ids, lse_T, lse_1, ids_R, slot_R, y_R, o)
+        dz = ops.grad(z, 0, b_V, y_R, o.softcap, inv_t, lse_T, g.p1, g.ty, g.second)
+        dz = put_entries(dz, 0, ids_R, g.at_ids)
+        dW, db, dx_R = head.add_shares(dz, x_R, 0, cfg.vocab, *carry, jnp.zeros(x_R.shape, wide))
+        return (dW, db), outs + (dx_R.astype(x_R.dtype),)
+
+    r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
+    per_row = ((x_ND, 0), (y_N, -1), (r_N, 0)) + _teacher_rows(teacher)
+    carry = _grad_buffers(cfg, W, b_V is not None) if with_grads else None
+    carry, outs = _scan_rows(row_step, carry, per_row, n, cfg.block_rows)
+    loss = reduce_rows(_unblock(outs[0], n), valid_N, o.reduction, num_items)
+    saved = tuple(_unblock(a, n) for a in outs[1:5])
+    if not with_grads:
+        return loss, saved, None
+    dW, db = carry
+    return loss, saved, (_unblock(outs[5], n), _final(dW, W), _final(db, b_V))
+
+
+def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, saved, cfg: DistillConfig):
+    o, ops, head = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V)
+    n, wide = x_ND.shape[0], compute_dtype(x_ND.dtype)
+
+    def row_step(carry, xs):
+        x_R, y_R, r_R, lse_T, lse_1, s_y, s_ids, ids_R, P_R, logP_R, entry_R, slot_R, bad_R = xs
+        _, A, C = topk_row_terms(s_ids, lse_T, lse_1, s_y, P_R, logP_R, entry_R, bad_R, o)
+        g = TopKGradRows.build(r_R, A, C, s_ids, lse_T, lse_1, ids_R, slot_R, y_R, o)
+
+        def body(v0, cols, c):
+            dz = ops.grad(head.logits(x_R, head.head_cols(v0, cols)), v0, b_V, y_R, o.softcap, 1.0 / o.temperature,
+                          lse_T, g.p1, g.ty, g.second)
+            return head.add_shares(put_entries(dz, v0, ids_R, g.at_ids), x_R, v0, cols, *c)
+
+        dW, db, dx_R = head.col_loop(body, carry + (jnp.zeros(x_R.shape, wide),))
+        return (dW, db), dx_R.astype(x_R.dtype)
+
+    r_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide)
+    per_row = ((x_ND, 0), (y_N, -1), (r_N, 0)) + tuple((a, 0) for a in saved) + _teacher_rows(teacher)
+    (dW, db), dx = _scan_rows(row_step, _grad_buffers(cfg, W, b_V is not None), per_row, n, cfg.block_rows)
+    return _unblock(dx, n), _final(dW, W), _final(db, b_V)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def topk_distillation(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig):
+    """The reduced top-K loss over flattened rows (x [N, D], y [N] int32 with -1 for no
+    target, valid [N], num_items None or a 0-d array); fp32 (fp64 for fp64 inputs)."""
+    return _topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, with_grads=False)[0]
+
+
+def _topk_fwd(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg):
+    args = (teacher, y_N, valid_N, num_items)
+    if cfg.grads_in_forward:
+        loss, _, grads = _topk_forward(x_ND, W, b_V, *args, cfg, with_grads=True)
+        return loss, (True, grads)
+    loss, saved, _ = _topk_forward(x_ND, W, b_V, *args, cfg, with_grads=False)
+    return loss, (False, (x_ND, W, b_V, args, saved))
+
+
+def _scaled(grads, g):
+    return tuple(None if a is None else (a * g.astype(jnp.float32)).astype(a.dtype) for a in grads)
+
+
+def _topk_bwd(cfg, res, g_loss):
+    in_forward, payload = res
+    if in_forward:
+        return _scaled(payload, g_loss) + (None,) * 4
+    x_ND, W, b_V, (teacher, y_N, valid_N, num_items), saved = payload
+    return _topk_backward(g_loss, x_ND, W, b_V, teacher, y_N, valid_N, num_items, saved, cfg) + (None,) * 4
+
+
+topk_distillation.defvjp(_topk_fwd, _topk_bwd)
+
+
+# ----------------------------------------------------------------------------- dense teacher
+
+
+def _divergence(a, b, o):
+    if o.divergence == "forward_kl":
+        return a
+    if o.divergence == "reverse_kl":
+        return b
+    return o.beta * a + (1 - o.beta) * b
+
+
+def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, with_grads: bool):
+    """(loss, saved = (lse_s, lse_t, b) per row, grads (dx, dW) for an upstream gradient of 1 or None)."""
+    o, ops = cfg.options, cfg.ops
+    student, teacher = cfg.head(x_ND, W), cfg.head(xt_ND, Wt)
+    n, wide, inv_t = x_ND.shape[0], compute_dtype(x_ND.dtype), 1.0 / cfg.options.temperature
+
+    def row_step(carry, xs):
+        x_R, xt_R, r_R = xs
+        R = x_R.shape[0]
+        no_y = jnp.full((R,), -1, jnp.int32)
+        pair = lambda v0, cols: (student.logits(x_R, student.head_cols(v0, cols)),
+                                 teacher.logits(xt_R, teacher.head_cols(v0, cols)))
+
+        def stats(v0, cols, c):
+            s, t = pair(v0, cols)
+            return ops.stats(s, v0, None, no_y, c[0], None, inv_t), ops.stats(t, v0, None, no_y, c[1], None, inv_t)
+
+        (ms, ls, _), (mt, lt, _) = student.col_loop(stats, (_running(R, wide), _running(R, wide)))
+        lse_s, lse_t = ms + jnp.log(ls), mt + jnp.log(lt)
+        sums = lambda v0, cols, c: ops.pair_sums(*pair(v0, cols), lse_s, lse_t, c, o)
+        a, b = student.col_loop(sums, (jnp.zeros((R,), wide), jnp.zeros((R,), wide)))
+        outs = (o.scale * _divergence(a, b, o), lse_s, lse_t, b)
+        if not with_grads:
+            return carry, outs
+        dz = ops.pair_grad(*pair(0, cfg.vocab), lse_s, lse_t, b, r_R * (o.scale * inv_t), o)
+        dW, _, dx_R = student.add_shares(dz, x_R, 0, cfg.vocab, carry, None, jnp.zeros(x_R.shape, wide))
+        return dW, outs + (dx_R.astype(x_R.dtype),)
+
+    r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
+    carry = _grad_buffers(cfg, W, False)[0] if with_grads else None
+    carry, outs = _scan_rows(row_step, carry, ((x_ND, 0), (xt_ND, 0), (r_N, 0)), n, cfg.block_rows)
+    loss = reduce_rows(_unblock(outs[0], n), valid_N, o.reduction, num_items)
+    saved = tuple(_unblock(a, n) for a in outs[1:4])
+    if not with_grads:
+        return loss, saved, None
+    return loss, saved, (_unblock(outs[4], n), _final(carry, W))
+
+
+def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: DistillConfig):
+    o, ops = cfg.options, cfg.ops
+    student, teacher = cfg.head(x_ND, W), cfg.head(xt_ND, Wt)
+    n, wide = x_ND.shape[0], compute_dtype(x_ND.dtype)
+
+    def row_step(dW, xs):
+        x_R, xt_R, coef_R, lse_s, lse_t, kl_q = xs
+
+        def body(v0, cols, c):
+            s = student.logits(x_R, student.head_cols(v0, cols))
+            t = teacher.logits(xt_R, teacher.head_cols(v0, cols))
+            dz = ops.pair_grad(s, t, lse_s, lse_t, kl_q, coef_R, o)
+            dW, _, dx = student.add_shares(dz, x_R, v0, cols, c[0], None, c[1])
+            return dW, dx
+
+        dW, dx_R = student.col_loop(body, (dW, jnp.zeros(x_R.shape, wide)))
+        return dW, dx_R.astype(x_R.dtype)
+
+    coef_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide) * (o.scale / o.temperature)
+    per_row = ((x_ND, 0), (xt_ND, 0), (coef_N, 0)) + tuple((a, 0) for a in saved)
+    dW, dx = _scan_rows(row_step, _grad_buffers(cfg, W, False)[0], per_row, n, cfg.block_rows)
+    return _unblock(dx, n), _final(dW, W)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def dense_distillation(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig):
+    """The reduced dense-teacher loss over flattened rows (student x [N, D], teacher xt
+    [N, Dt]; the teacher gets no gradient); fp32 (fp64 for fp64 inputs)."""
+    return _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=False)[0]
+
+
+def _dense_fwd(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg):
+    if cfg.grads_in_forward:
+        loss, _, grads = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=True)
+        return loss, (True, grads)
+    loss, saved, _ = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=False)
+    return loss, (False, (x_ND, W, xt_ND, Wt, valid_N, num_items, saved))
+
+
+def _dense_bwd(cfg, res, g_loss):
+    in_forward, payload = res
+    if in_forward:
+        return _scaled(payload, g_loss) + (None,) * 4
+    x_ND, W, xt_ND, Wt, valid_N, num_items, saved = payload
+    return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg) + (None,) * 4
+
+
+dense_distillation.defvjp(_dense_fwd, _dense_bwd)

@@ -1,0 +1,102 @@
+"""The block steps of the JAX distillation paths, twice: on the Pallas kernels
+(`KernelOps`) and in jax.numpy (`XlaOps`, the fallback: fp32 logits, fp64 for fp64 inputs);
+`jax_impl.distill_blocked` drives either (as `torch_impl.distill_ops`).
+
+Each step takes one logits block z [R, C] (columns v0..v0+C, no bias) and per-row vectors;
+"stats" return the running (m, l of scale * s, s at the target) with the block merged in;
+"grad" returns dz.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_impl import kernels, pair_kernels
+
+
+class KernelOps:
+    """The steps on the Pallas kernels (interpret mode off a GPU); logits in the input dtype."""
+
+    compute_logits = False
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def stats(self, z, v0, b_V, y_R, running, softcap, scale: float):
+        m, l, sy = running
+        m, l, sy, _ = kernels.block_stats(z, kernels.v0_array(v0), b_V, None, y_R, (m, l, sy, jnp.zeros_like(m)), softcap, False,
+                                          self.interpret, scale)
+        return m, l, sy
+
+    def grad(self, z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second):
+        return kernels.block_grad(z, kernels.v0_array(v0), b_V, None, y_R, lse_R, p_R, ty_R, jnp.zeros_like(p_R), softcap,
+                                  self.interpret, scale, second)
+
+    def pair_sums(self, s, t, lse_s, lse_t, sums, o):
+        return tuple(pair_kernels.pair_sums(s, t, lse_s, lse_t, sums, o.divergence, o.temperature, o.beta, self.interpret))
+
+    def pair_grad(self, s, t, lse_s, lse_t, b_R, coef_R, o):
+        return pair_kernels.pair_grad(s, t, lse_s, lse_t, b_R, coef_R, o.divergence, o.temperature, o.beta, self.interpret)
+
+
+def _capped(z, v0, b_V, softcap):
+    if b_V is not None:
+        z = z + jax.lax.dynamic_slice_in_dim(b_V, v0, z.shape[1]).astype(z.dtype)
+    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+
+
+def _at_target(s, v0, y_R):
+    col = y_R - v0
+    inside = (col >= 0) & (col < s.shape[1])
+    return inside, jnp.take_along_axis(s, jnp.clip(col, 0, s.shape[1] - 1)[:, None], axis=1)[:, 0], col
+
+
+def _log_mix(lq, lp, beta: float):
+    return jnp.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
+
+
+class XlaOps:
+    """The same steps in jax.numpy, on logits in the compute dtype (fp32 or fp64)."""
+
+    compute_logits = True
+
+    def stats(self, z, v0, b_V, y_R, running, softcap, scale: float):
+        m, l, sy = running
+        s = _capped(z, v0, b_V, softcap)
+        u = s * scale
+        m_new = jnp.maximum(m, u.max(axis=1))
+        l = l * jnp.exp(m - m_new) + jnp.exp(u - m_new[:, None]).sum(1)
+        inside, s_y, _ = _at_target(s, v0, y_R)
+        return m_new, l, sy + jnp.where(inside, s_y, 0)
+
+    def grad(self, z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second):
+        s = _capped(z, v0, b_V, softcap)
+        dz = p_R[:, None] * jnp.exp(s * scale - lse_R[:, None])
+        if second is not None:
+            dz = dz + second[0][:, None] * jnp.exp(s - second[1][:, None])
+        inside, _, col = _at_target(s, v0, y_R)
+        dz = dz - jnp.where(inside[:, None] & (jnp.arange(s.shape[1])[None, :] == col[:, None]), ty_R[:, None], 0)
+        return dz if softcap is None else dz * (1 - (s / softcap) ** 2)
+
+    def pair_sums(self, s, t, lse_s, lse_t, sums, o):
+        a, b = sums
+        lq, lp = s / o.temperature - lse_s[:, None], t / o.temperature - lse_t[:, None]
+        if o.divergence == "forward_kl":
+            return a + (jnp.exp(lp) * (lp - lq)).sum(1), b
+        if o.divergence == "reverse_kl":
+            return a, b + (jnp.exp(lq) * (lq - lp)).sum(1)
+        lm = _log_mix(lq, lp, o.beta)
+        return a + (jnp.exp(lp) * (lp - lm)).sum(1), b + (jnp.exp(lq) * (lq - lm)).sum(1)
+
+    def pair_grad(self, s, t, lse_s, lse_t, b_R, coef_R, o):
+        lq, lp = s / o.temperature - lse_s[:, None], t / o.temperature - lse_t[:, None]
+        if o.divergence == "forward_kl":
+            g = jnp.exp(lq) - jnp.exp(lp)
+        elif o.divergence == "reverse_kl":
+            g = jnp.exp(lq) * (lq - lp - b_R[:, None])
+        else:
+            g = (1 - o.beta) * jnp.exp(lq) * (lq - _log_mix(lq, lp, o.beta) - b_R[:, None])
+        return coef_R[:, None] * g

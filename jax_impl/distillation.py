@@ -1,0 +1,141 @@
+"""The distillation losses for JAX (interop/SPEC-DISTILLATION.md), with the same arguments,
+defaults and semantics as `torch_impl.distillation`: check the call, then run the Pallas
+path (GPU) or the jax.numpy fallback (`jax_impl.distill_blocked`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_reduction,
+                                  check_topk_inputs, teacher_id_out_of_range_message)
+from interop.options import check_strategy, target_out_of_range_message
+from jax_impl.distill_blocked import dense_distillation, plan_distillation, topk_distillation
+from jax_impl.distill_rows import TopKTeacher, valid_rows
+from jax_impl.functional import choose_strategy, platform_of
+from jax_impl.rows import compute_dtype
+
+
+def _name(a):
+    return None if a is None else jnp.dtype(a.dtype).name
+
+
+def _shape(a):
+    return None if a is None else tuple(a.shape)
+
+
+def _maybe(a):
+    return None if a is None else jnp.asarray(a)
+
+
+def _num_items(num_items_in_batch, dtype):
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, (int, float)) and (isinstance(num_items_in_batch, bool) or not num_items_in_batch > 0):
+        raise ValueError(f"num_items_in_batch must be a number > 0 or an array, got {num_items_in_batch!r}")
+    return jnp.asarray(num_items_in_batch, dtype)
+
+
+def _raise_if_concrete(bad_N, values_N, message) -> None:
+    """Raise ValueError(message(first bad value)) for concrete arrays; traced ones get NaN rows."""
+    if isinstance(bad_N, jax.core.Tracer) or isinstance(values_N, jax.core.Tracer):
+        return
+    bad = np.asarray(bad_N)
+    if bad.any():
+        raise ValueError(message(int(np.asarray(values_N)[bad][0])))
+
+
+def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs, *, target=None, linear_bias=None,
+                             row_mask=None, temperature: float = 1.0, renormalize_teacher: bool = True,
+                             tail_bucket: bool = False, temperature_squared: bool = True, weight_soft: float = 1.0,
+                             weight_hard: float = 0.0, reduction: str = "mean", num_items_in_batch=None,
+                             ignore_index: int | None = -100, softcap: float | None = None, weight_layout: str = "VD",
+                             strategy: str = "auto", accumulate_in_input_dtype: bool = False):
+    """Distillation from a top-K sparse teacher, fused with the student's head.
+
+    The arguments of `torch_impl.linear_topk_distillation` (interop/SPEC-DISTILLATION.md):
+    input [..., D], linear_weight [V, D] ("VD") or [D, V] ("DV", Flax nnx.Linear's kernel),
+    teacher_ids [..., K] (< 0: padding), teacher_logprobs [..., K] (-inf: padding), optional
+    target [...], linear_bias [V], row_mask [...] bool. Differentiable in input,
+    linear_weight and linear_bias (`jax.custom_vjp`), usable under `jax.jit`, where a
+    teacher id >= V (or, with weight_hard > 0, a target out of range) gives its row a NaN
+    loss instead of the eager call's ValueError.
+
+    Returns:
+        The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
+    """
+    o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
+                                weight_hard, reduction, ignore_index, softcap)
+    check_strategy(strategy)
+    check_reduction(reduction, num_items_in_batch)
+    input, linear_weight, teacher_ids, teacher_logprobs = map(jnp.asarray, (input, linear_weight, teacher_ids, teacher_logprobs))
+    target, linear_bias, row_mask = _maybe(target), _maybe(linear_bias), _maybe(row_mask)
+    shape = check_topk_inputs(
+        input_shape=input.shape, input_dtype=_name(input), weight_shape=linear_weight.shape,
+        weight_dtype=_name(linear_weight), ids_shape=teacher_ids.shape, ids_dtype=_name(teacher_ids),
+        logprobs_shape=teacher_logprobs.shape, logprobs_dtype=_name(teacher_logprobs), target_shape=_shape(target),
+        target_dtype=_name(target), bias_shape=_shape(linear_bias), bias_dtype=_name(linear_bias),
+        row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask), weight_layout=weight_layout,
+        weight_hard=o.weight_hard)
+    n, V, K = shape.n_rows, shape.vocab, shape.k
+    ids = teacher_ids.reshape(n, K).astype(jnp.int32)
+    bad_id = ids >= V
+    _raise_if_concrete(bad_id, ids, lambda i: teacher_id_out_of_range_message(i, V))
+    y = None if target is None else target.reshape(n)
+    valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), o.ignore_index)
+    bad = bad_id.any(axis=1)
+    y_kernel = jnp.full((n,), -1, jnp.int32)
+    if y is not None and o.weight_hard:
+        bad_y = valid & ((y < 0) | (y >= V))
+        _raise_if_concrete(bad_y, y, lambda t: target_out_of_range_message(t, V, o.ignore_index))
+        bad = bad | bad_y
+        y_kernel = jnp.where(valid & ~bad_y, y, -1).astype(jnp.int32)
+    wide = compute_dtype(input.dtype)
+    teacher = TopKTeacher.build(ids, teacher_logprobs.reshape(n, K), o.renormalize_teacher, wide, bad & valid)
+    x_ND = input.reshape(n, shape.hidden)
+    platform = platform_of(x_ND)
+    strategy = choose_strategy(strategy, x_ND.dtype, n, shape.hidden, V, platform)
+    cfg = plan_distillation(o, weight_layout, strategy, n, shape.hidden, V, x_ND.dtype, accumulate_in_input_dtype, platform)
+    loss = topk_distillation(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, _num_items(num_items_in_batch, wide), cfg)
+    return loss.reshape(shape.lead_shape) if reduction == "none" else loss
+
+
+def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, target=None, row_mask=None,
+                        divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                        temperature_squared: bool = True, reduction: str = "mean", num_items_in_batch=None,
+                        ignore_index: int | None = -100, weight_layout: str = "VD", strategy: str = "auto",
+                        accumulate_in_input_dtype: bool = False):
+    """Distillation from a dense teacher, both heads fused: no N x V buffer of either.
+
+    The arguments of `torch_impl.linear_distillation` (interop/SPEC-DISTILLATION.md):
+    student input [..., D] and linear_weight, teacher_input [..., Dt] and teacher_weight
+    (same layout; no gradient flows to them), divergence "forward_kl" | "reverse_kl" | "jsd"
+    (beta), temperature; both distributions cover the first min(V, Vt) classes.
+
+    Returns:
+        The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
+    """
+    o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
+    check_strategy(strategy)
+    check_reduction(reduction, num_items_in_batch)
+    input, linear_weight, teacher_input, teacher_weight = map(jnp.asarray, (input, linear_weight, teacher_input, teacher_weight))
+    target, row_mask = _maybe(target), _maybe(row_mask)
+    shape = check_dense_inputs(
+        input_shape=input.shape, input_dtype=_name(input), weight_shape=linear_weight.shape,
+        weight_dtype=_name(linear_weight), teacher_input_shape=teacher_input.shape,
+        teacher_input_dtype=_name(teacher_input), teacher_weight_shape=teacher_weight.shape,
+        teacher_weight_dtype=_name(teacher_weight), target_shape=_shape(target), target_dtype=_name(target),
+        row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask), weight_layout=weight_layout)
+    n = shape.n_rows
+    vocab = min(shape.vocab, shape.teacher_vocab)
+    valid = valid_rows(n, None if target is None else target.reshape(n), None if row_mask is None else row_mask.reshape(n),
+                       o.ignore_index)
+    x_ND = input.reshape(n, shape.hidden)
+    xt_ND = jax.lax.stop_gradient(teacher_input.reshape(n, shape.teacher_hidden))
+    platform = platform_of(x_ND)
+    strategy = choose_strategy(strategy, x_ND.dtype, n, shape.hidden, vocab, platform)
+    cfg = plan_distillation(o, weight_layout, strategy, n, shape.hidden, vocab, x_ND.dtype, accumulate_in_input_dtype, platform)
+    loss = dense_distillation(x_ND, linear_weight, xt_ND, jax.lax.stop_gradient(teacher_weight), valid,
+                              _num_items(num_items_in_batch, compute_dtype(input.dtype)), cfg)
+    return loss.reshape(shape.lead_shape) if reduction == "none" else loss
