@@ -1,5 +1,6 @@
-"""logitless for JAX: fused linear-head cross-entropy that never builds the N x V logits."""
+"""logitless for JAX: fused linear-head losses that never build the N x V logits."""
 
+from jax_impl.distillation import linear_distillation, linear_topk_distillation
 from jax_impl.functional import linear_cross_entropy
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["linear_cross_entropy", "linear_topk_distillation", "linear_distillation"]

@@ -1,6 +1,7 @@
-"""logitless for PyTorch: fused linear-head cross-entropy that never builds the N x V logits."""
+"""logitless for PyTorch: fused linear-head losses that never build the N x V logits."""
 
+from torch_impl.distillation import linear_distillation, linear_topk_distillation
 from torch_impl.functional import linear_cross_entropy
 from torch_impl.module import LinearCrossEntropyLoss
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "linear_topk_distillation", "linear_distillation"]
