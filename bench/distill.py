@@ -22,9 +22,11 @@ from torch_impl import linear_distillation, linear_topk_distillation
 
 
 def naive_topk(x, W, y, ids, lp):
+    """The usual top-K KD: full student log_softmax, gathered at the teacher's ids, against
+    the teacher's log-probabilities renormalised over its K entries (ours' default)."""
     logq = F.log_softmax((x @ W.T).float(), dim=-1)
-    P = lp.exp()
-    kd = (P * (lp - logq.gather(-1, ids))).sum(-1)
+    lp = F.log_softmax(lp.float(), dim=-1)
+    kd = (lp.exp() * (lp - logq.gather(-1, ids))).sum(-1)
     valid = y != -100
     return (kd * valid).sum() / valid.sum()
 
