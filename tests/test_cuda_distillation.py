@@ -11,24 +11,13 @@ import torch
 
 from tests.distill_frameworks import make_problem, reference, run
 from tests.frameworks import rel_err, tolerance
+from tests.test_cuda import blocks  # noqa: F401 (the fixture: default and small blocks)
 from tests.test_distillation import CASES, errors
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-@pytest.fixture(params=["default-blocks", "small-blocks"])
-def blocks(request, monkeypatch):
-    import interop.blocking
-
-    if request.param == "small-blocks":
-        monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 64)
-        monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (64, 64))
-        monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 300 * 5003)
-        monkeypatch.setattr(interop.blocking, "MEMORY_FRACTION", 0.01)
-    return request.param
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

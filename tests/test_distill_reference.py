@@ -12,27 +12,13 @@ import pytest
 
 from interop.distill_reference import linear_distillation_reference, linear_topk_distillation_reference
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
+from tests.distill_frameworks import topk_teacher
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 RTOL, ATOL = 1e-9, 1e-12
 N, D, V, K = 11, 7, 37, 5
-
-
-def topk_teacher(rng, n, vocab, k, duplicates=False):
-    """Teacher ids [n, k] and log-probs of a random teacher's top-k, with padding entries
-    (id -1, or logprob -inf) and, optionally, a repeated id."""
-    logits = rng.normal(size=(n, vocab)) * 2
-    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
-    ids = np.argsort(-logp, axis=1)[:, :k]
-    lp = np.take_along_axis(logp, ids, axis=1)
-    ids[0, -1] = -1
-    lp[1, -2:] = -np.inf
-    ids[2, :] = -1  # a row without teacher entries
-    if duplicates:
-        ids[3, 1] = ids[3, 0]
-    return ids, lp
 
 
 def naive_topk(x, W, b, ids, lp, y, mask, o: TopKDistillationOptions, layout, num_items):
@@ -91,6 +77,7 @@ def test_topk_reference_matches_autograd(name):
     W = rng.normal(size=(V, D) if layout == "VD" else (D, V))
     b = rng.normal(size=V) if prob.get("bias") else None
     ids, lp = topk_teacher(rng, N, V, K, prob.get("duplicates", False))
+    lp = lp.astype(np.float64)
     y = rng.integers(0, V, size=N) if prob.get("target") else None
     if y is not None:
         y[4] = -100
