@@ -12,22 +12,25 @@ SPEED_BLOCK_ELEMENTS = 1 << 28  # logits per "speed" block (512 MiB in bf16): fe
 MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
+WEIGHT_GRAD_SLABS = 8  # a grad_weight accumulator wider than W: vocabulary slabs, converted one by one
 
 
 def _round_down(n: int, multiple: int) -> int:
     return max(multiple, n // multiple * multiple)
 
 
-def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
-    """(rows, cols) per block for "speed" or "memory"; itemsize: bytes of the input dtype."""
+def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int, buffers: int = 1) -> tuple[int, int]:
+    """(rows, cols) per block for "speed" or "memory"; itemsize: bytes of the input dtype;
+    buffers: logits buffers of that shape held at once (2 for a dense teacher's and the
+    student's), which share the one block's budget."""
     if strategy == "speed":
-        rows = _round_down(SPEED_BLOCK_ELEMENTS // vocab, MIN_BLOCK)
+        rows = _round_down(SPEED_BLOCK_ELEMENTS // buffers // vocab, MIN_BLOCK)
         return max(1, min(n_rows, rows)), vocab
     budget = MEMORY_FRACTION * (n_rows + vocab) * hidden * itemsize
     min_rows, min_cols = (max(MIN_BLOCK, m) for m in MIN_MEMORY_BLOCK)
     rows = max(min_rows, _round_down(int(budget / 2 / (hidden * 4)), MIN_BLOCK))
     rows = max(1, min(n_rows, rows))
-    cols = min(vocab, max(min_cols, _round_down(int(budget / 2 / (rows * itemsize)), MIN_BLOCK)))
+    cols = min(vocab, max(min_cols, _round_down(int(budget / 2 / (rows * itemsize * buffers)), MIN_BLOCK)))
     return rows, cols
 
 
@@ -35,3 +38,11 @@ def speed_extra_bytes(n_rows: int, hidden: int, vocab: int, itemsize: int) -> in
     """Bytes "speed" needs beyond the gradients: the fp32 dW accumulator and one block."""
     rows, cols = block_shape("speed", n_rows, hidden, vocab, itemsize)
     return vocab * hidden * 4 + rows * cols * itemsize
+
+
+def weight_grad_slabs(vocab: int, wider_than_weight: bool) -> list[int]:
+    """Edges [0, .., vocab] of the vocabulary slabs of a grad_weight accumulator: one slab
+    when it has W's dtype; WEIGHT_GRAD_SLABS when it is wider (fp32 for a 16-bit W), so its
+    conversion can free each slab in turn (peak 2 W + W / slabs instead of 3 W)."""
+    step = vocab if not wider_than_weight else max(1, -(-vocab // WEIGHT_GRAD_SLABS))
+    return list(range(0, vocab, step)) + [vocab]

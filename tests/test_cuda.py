@@ -123,6 +123,30 @@ def test_forward_only_does_no_gradient_work(strategy):
     assert _err(loss, _fp64_spec(x, W, y)[0]) <= 1e-4
 
 
+def test_speed_peak_is_two_weights_plus_one_block():
+    """"speed" holds an fp32 grad_weight (2 W for a bf16 W) and one logits block; its
+    conversion to bf16 goes slab by slab, so the peak of fwd+bwd stays below
+    2 W + block + dx + W / SLABS + O(N) (it was 3 W + dx with one fp32 tensor)."""
+    import torch_impl
+    from interop.blocking import WEIGHT_GRAD_SLABS
+    from torch_impl.blocked import plan_blocks
+
+    n, d, v = 1024, 4096, 50000  # a block (100 MiB) well below W (400 MiB): 3 W would fail
+    x, W, y = _large_problem(n, d, v, torch.bfloat16)
+    x.requires_grad_()
+    W.requires_grad_()
+    plan = plan_blocks("speed", n, d, v, torch.bfloat16, False)
+    w_bytes, x_bytes = W.numel() * 2, x.numel() * 2
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch_impl.linear_cross_entropy(x, W, y, strategy="speed").backward()
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = 2 * w_bytes + plan.block_rows * plan.block_cols * 2 + x_bytes + w_bytes / WEIGHT_GRAD_SLABS + 64 * n
+    assert peak <= bound, f"peak {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+    assert peak < 3 * w_bytes
+
+
 def test_frozen_head_computes_no_weight_gradient():
     import torch_impl
 

@@ -41,3 +41,29 @@ def test_kernels_match_reference(strategy, kind, name, dtype, blocks):
             assert err <= tol, f"{fw} {key}: relative error {err:.3g} > {tol:.3g}"
     for key in results["torch"]:
         assert rel_err(results["torch"][key], results["jax"][key]) <= 2 * tol, f"torch vs jax {key}"
+
+
+def test_dense_speed_peak_is_two_weights_plus_one_block():
+    """The dense loss blocks the teacher's logits beside the student's: "speed" halves its
+    rows so the two buffers fill one cross-entropy block, and the fp32 grad_weight is
+    converted slab by slab: the fwd+bwd peak stays below 2 W + block + dx + W / slabs
+    + O(N). At this shape, whole blocks of 4096 rows (800 MiB for the two) or a 3 W
+    conversion peak would both exceed it."""
+    import torch_impl
+    from interop.blocking import SPEED_BLOCK_ELEMENTS, WEIGHT_GRAD_SLABS
+
+    n, d, v = 4096, 8192, 50000  # W 800 MiB; the two halved blocks 512 MiB
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, xt = (torch.randn(n, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    W, Wt = ((torch.randn(v, d, device="cuda", generator=gen) / d**0.5).bfloat16() for _ in range(2))
+    x.requires_grad_()
+    W.requires_grad_()
+    w_bytes = W.numel() * 2
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch_impl.linear_distillation(x, W, xt, Wt, strategy="speed").backward()
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = 2 * w_bytes + SPEED_BLOCK_ELEMENTS * 2 + x.numel() * 2 + w_bytes / WEIGHT_GRAD_SLABS + 64 * n
+    assert peak <= bound, f"peak {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+    assert W.grad.dtype == torch.bfloat16 and torch.isfinite(W.grad.float()).all()

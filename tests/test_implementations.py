@@ -146,3 +146,75 @@ def test_accumulate_in_input_dtype(impl):
     result = adapter.run(p, dict(reduction="sum", accumulate_in_input_dtype=True), g_out, None)
     check_against_reference(result, reference(p, dict(reduction="sum"), g_out, None), "bfloat16")
 
+
+
+class _TorchWeightGrad:
+    def __init__(self, W_np, layout):
+        import torch
+
+        from torch_impl.blocked import WeightGrad
+
+        self.acc = WeightGrad(torch.from_numpy(W_np).to(torch.bfloat16), layout, torch.float32)
+        self.n_slabs = len(self.acc.slabs)
+
+    def add(self, dz, x, v0):
+        import torch
+
+        self.acc.add_(torch.from_numpy(dz).to(torch.bfloat16), torch.from_numpy(x).to(torch.bfloat16), v0)
+
+    def result(self):
+        import torch
+
+        out = self.acc.result()
+        assert out.dtype == torch.bfloat16 and self.acc.slabs == []
+        return out.float().numpy()
+
+
+class _JaxWeightGrad:
+    def __init__(self, W_np, layout):
+        import jax.numpy as jnp
+
+        from jax_impl.blocked import Head
+
+        x = jnp.zeros((1, W_np.shape[1] if layout == "VD" else W_np.shape[0]), jnp.bfloat16)
+        self.head = Head(x, jnp.asarray(W_np, jnp.bfloat16), None, layout, block_cols=1)
+        self.acc = self.head.weight_grad_zeros(jnp.float32)
+        self.n_slabs = len(self.acc)
+
+    def add(self, dz, x, v0):
+        import jax.numpy as jnp
+
+        self.acc = self.head.add_weight_share(self.acc, jnp.asarray(dz, jnp.bfloat16), jnp.asarray(x, jnp.bfloat16), v0,
+                                              dz.shape[1])
+
+    def result(self):
+        import jax.numpy as jnp
+
+        out = self.head.weight_grad(self.acc)
+        assert out.dtype == jnp.bfloat16
+        return np.asarray(out.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("framework", [_TorchWeightGrad, _JaxWeightGrad], ids=["torch", "jax"])
+@pytest.mark.parametrize("layout", ["VD", "DV"])
+def test_weight_grad_slabs_add_column_blocks_anywhere(framework, layout):
+    """An fp32 grad_weight accumulator of a bf16 W is cut into vocabulary slabs; column
+    blocks that straddle slab edges land in the right rows (classes), and the result has
+    W's dtype and layout and equals the float64 sum rounded once to bf16."""
+    from interop.blocking import WEIGHT_GRAD_SLABS
+
+    rng = np.random.default_rng(3)
+    V, D, R = 53, 19, 7
+    bf16 = lambda a: a.astype(np.float32).view(np.uint32).__and__(0xFFFF0000).view(np.float32)  # exact in bf16
+    acc = framework(np.zeros((V, D) if layout == "VD" else (D, V), np.float32), layout)
+    assert acc.n_slabs == WEIGHT_GRAD_SLABS
+    expected = np.zeros((V, D))
+    for v0, cols in [(0, 53), (3, 11), (14, 25), (40, 13), (52, 1)]:
+        dz, x = bf16(rng.standard_normal((R, cols))), bf16(rng.standard_normal((R, D)))
+        acc.add(dz, x, v0)
+        expected[v0 : v0 + cols] += dz.astype(np.float64).T @ x.astype(np.float64)
+    got = acc.result()
+    assert got.shape == ((V, D) if layout == "VD" else (D, V))
+    got = got if layout == "VD" else got.T
+    err = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert err <= 2.0**-8, err

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from interop.blocking import block_shape
+from interop.blocking import block_shape, weight_grad_slabs
 from interop.options import CrossEntropyOptions
 from torch_impl.kernels import block_grad_, block_stats_
 from torch_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loss
@@ -66,6 +66,42 @@ def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 _MIXED_ADDMM = [True]
 
 
+class WeightGrad:
+    """grad_weight accumulated in `dtype` as vocabulary slabs (interop.blocking.
+    weight_grad_slabs), each its own tensor, so that the conversion to W's dtype frees each
+    slab as it goes: an fp32 accumulator of a 16-bit W peaks at 2 W + W / slabs, not 3 W."""
+
+    def __init__(self, W, layout: str, dtype: torch.dtype):
+        vocab = W.shape[0] if layout == "VD" else W.shape[1]
+        self.layout, self.dtype = layout, W.dtype
+        self.starts = weight_grad_slabs(vocab, dtype != W.dtype)
+        shape = (lambda n: (n, W.shape[1])) if layout == "VD" else (lambda n: (W.shape[0], n))
+        self.slabs = [torch.zeros(shape(b - a), dtype=dtype, device=W.device) for a, b in zip(self.starts, self.starts[1:])]
+
+    def add_(self, dz_RC, x_RD, v0: int) -> None:
+        """Add dz [R, C]^T x [R, D] to the rows (classes) v0..v0+C."""
+        v1 = v0 + dz_RC.shape[1]
+        for slab, a, b in zip(self.slabs, self.starts, self.starts[1:]):
+            lo, hi = max(a, v0), min(b, v1)
+            if lo >= hi:
+                continue
+            dz = dz_RC[:, lo - v0 : hi - v0]
+            if self.layout == "VD":
+                _addmm_(slab[lo - a : hi - a], dz.T, x_RD)
+            else:
+                _addmm_(slab[:, lo - a : hi - a], x_RD.T, dz)
+
+    def result(self) -> torch.Tensor:
+        """grad_weight in W's dtype and layout; the accumulator is spent."""
+        slabs, self.slabs = self.slabs, []
+        if len(slabs) == 1:
+            return slabs[0].to(self.dtype)
+        parts = []
+        while slabs:
+            parts.append(slabs.pop(0).to(self.dtype))
+        return torch.cat(parts, dim=0 if self.layout == "VD" else 1)
+
+
 class HeadBlocks:
     """One linear head's operands cut into blocks: x [N, D], W ([V, D] "VD" or [D, V] "DV"),
     bias [V] or None, the plan, and one reused logits buffer. `vocab` may be smaller than
@@ -106,7 +142,7 @@ class HeadBlocks:
 
     def add_grads(self, dz, rs: slice, v0: int, cols: int, dx_out, dW, db, dx_accumulate: bool = False) -> None:
         """Add dz [R, cols]'s share to the gradients: dx_out [R, D] = dz W_c (+= if
-        dx_accumulate: an accumulator over column blocks), dW += .., db += .."""
+        dx_accumulate: an accumulator over column blocks), dW (a WeightGrad) += dz^T x, db += .."""
         if dx_out is not None:
             W_c = self.head_cols(v0, cols)
             dz_in = dz.to(W_c.dtype)
@@ -115,23 +151,20 @@ class HeadBlocks:
             else:
                 torch.mm(dz_in, W_c, out=dx_out)
         if dW is not None:
-            x_R = self.x[rs].to(dz.dtype)
-            if self.layout == "VD":
-                _addmm_(dW[v0 : v0 + cols], dz.T, x_R)
-            else:
-                _addmm_(dW[:, v0 : v0 + cols], x_R.T, dz)
+            dW.add_(dz, self.x[rs].to(dz.dtype), v0)
         if db is not None:
             db[v0 : v0 + cols] += dz.sum(0, dtype=db.dtype)
 
     def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool):
         """(dx [N, D] in x's dtype, fp32 [R, D] accumulator when rows span several column
-        blocks, dW in the plan's accumulation dtype, db fp32 [V]; fp64 for fp64 inputs)."""
+        blocks, dW a WeightGrad in the plan's accumulation dtype, db fp32 [V]; fp64 for fp64
+        inputs)."""
         x, W = self.x, self.W
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         dx = torch.empty_like(x) if need_x else None
         dx_acc = torch.zeros(min(self.plan.block_rows, x.shape[0]), x.shape[1], dtype=wide, device=x.device) \
             if need_x and not self.whole_rows else None
-        dW = torch.zeros(W.shape, dtype=self.plan.accumulate_dtype, device=W.device) if need_W else None
+        dW = WeightGrad(W, self.layout, self.plan.accumulate_dtype) if need_W else None
         db = torch.zeros(W.shape[0] if self.layout == "VD" else W.shape[1], dtype=wide, device=W.device) if need_b else None
         return dx, dx_acc, dW, db
 
@@ -200,4 +233,7 @@ def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_lay
 
 
 def _final(acc, like):
-    return None if acc is None else acc.to(like.dtype)
+    """An accumulated gradient (tensor or WeightGrad) in the dtype of `like`, or None."""
+    if acc is None:
+        return None
+    return acc.result() if isinstance(acc, WeightGrad) else acc.to(like.dtype)

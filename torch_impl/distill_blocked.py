@@ -28,15 +28,16 @@ from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, r
 from torch_impl.rows import compute_dtype
 
 
-def plan_distillation(strategy: str, n_rows: int, hidden: int, vocab: int, dtype, accumulate_in_input_dtype: bool):
+def plan_distillation(strategy: str, n_rows: int, hidden: int, vocab: int, dtype, accumulate_in_input_dtype: bool,
+                      buffers: int = 1):
     """(BlockPlan, ops) of "speed" / "memory" (Triton kernels) or "chunked" (PyTorch ops
-    on row chunks of whole rows)."""
+    on row chunks of whole rows); buffers: 2 when a dense teacher's logits are blocked too."""
     wide = compute_dtype(dtype)
     if strategy == "chunked":
         rows = default_chunk_rows(n_rows, hidden, vocab)
         return BlockPlan("chunked", rows, vocab, dtype if accumulate_in_input_dtype else wide), TorchOps
     itemsize = torch.empty((), dtype=dtype).element_size()
-    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize)
+    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, buffers)
     acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
     return BlockPlan(strategy, rows, cols, acc), KernelOps
 

@@ -174,7 +174,7 @@ def linear_distillation(
     x_ND = input.reshape(n, shape.hidden)
     xt_ND = teacher_input.reshape(n, shape.teacher_hidden).detach()
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab)
-    plan, ops = plan_distillation(strategy, n, shape.hidden, vocab, input.dtype, accumulate_in_input_dtype)
+    plan, ops = plan_distillation(strategy, n, shape.hidden, vocab, input.dtype, accumulate_in_input_dtype, buffers=2)
     loss = DenseDistillation.apply(x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid, o, weight_layout, vocab,
                                    plan, ops, _num_items(num_items_in_batch, compute_dtype(input.dtype), dev))
     return loss.reshape(shape.lead_shape) if reduction == "none" else loss
