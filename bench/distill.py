@@ -1,6 +1,7 @@
 """Benchmark of the distillation losses (PyTorch, one GPU): `python -m bench.distill`.
 
-Top-K teacher (K = 32 and 128): ours ("speed", "memory") against the naive PyTorch top-K
+Top-K teacher (K = 32 and 128): ours ("speed", "speed" with grad_weight accumulated in the
+input dtype ("ours-speed-acc16"), "memory") against the naive PyTorch top-K
 KD (full student logits, log_softmax, gather) eager and under torch.compile. Dense teacher
 (generalised JSD, beta 0.5): ours against liger-kernel's LigerFusedLinearJSD and the naive
 formula, eager and compiled. Per method: fwd+bwd time (CUDA events, median), peak memory
@@ -41,15 +42,17 @@ def naive_jsd(x, W, xt, Wt, y, beta=0.5):
 
 
 def topk_methods():
-    ours = lambda s: lambda x, W, y, ids, lp: linear_topk_distillation(x, W, ids, lp, target=y, strategy=s)
-    return {"ours-speed": ours("speed"), "ours-memory": ours("memory"), "naive-eager": naive_topk,
-            "naive-compile": torch.compile(naive_topk)}, ours("chunked")
+    ours = lambda s, acc=False: lambda x, W, y, ids, lp: linear_topk_distillation(
+        x, W, ids, lp, target=y, strategy=s, accumulate_in_input_dtype=acc)
+    return {"ours-speed": ours("speed"), "ours-speed-acc16": ours("speed", True), "ours-memory": ours("memory"),
+            "naive-eager": naive_topk, "naive-compile": torch.compile(naive_topk)}, ours("chunked")
 
 
 def dense_methods():
-    ours = lambda s: lambda x, W, xt, Wt, y: linear_distillation(x, W, xt, Wt, target=y, divergence="jsd", beta=0.5, strategy=s)
-    methods = {"ours-speed": ours("speed"), "ours-memory": ours("memory"), "naive-eager": naive_jsd,
-               "naive-compile": torch.compile(naive_jsd)}
+    ours = lambda s, acc=False: lambda x, W, xt, Wt, y: linear_distillation(
+        x, W, xt, Wt, target=y, divergence="jsd", beta=0.5, strategy=s, accumulate_in_input_dtype=acc)
+    methods = {"ours-speed": ours("speed"), "ours-speed-acc16": ours("speed", True), "ours-memory": ours("memory"),
+               "naive-eager": naive_jsd, "naive-compile": torch.compile(naive_jsd)}
     try:
         from liger_kernel.transformers import LigerFusedLinearJSD
 
@@ -90,7 +93,8 @@ def measure_method(fn, diff, rest, ref, device, repeat):
     return row
 
 
-def run(shapes, ks, dtype, device, repeat, log):
+def run(shapes, ks, dtype, device, repeat, log, only=None):
+    """Rows of results; `only`: the method names to run (all when None)."""
     rows = []
     for shape in shapes:
         n, d, v = measure.PRESETS[shape]
@@ -113,6 +117,8 @@ def run(shapes, ks, dtype, device, repeat, log):
             ref = (ref_loss.detach(), a[0].grad, a[1].grad)
             del a
             for name, fn in methods.items():
+                if only is not None and name not in only:
+                    continue
                 row = {"shape": shape, "N": n, "D": d, "V": v, "loss": loss_name, "method": name}
                 try:
                     row.update(measure_method(fn, (x, W), rest, ref, device, repeat))
@@ -131,6 +137,7 @@ def main(argv=None):
     parser.add_argument("--k", default="32,128")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
 
@@ -142,7 +149,8 @@ def main(argv=None):
               f"  mem {r['floor_ratio']:5.2f}x floor  err loss {r['loss_err']:.1e} dx {r['grad_x_err']:.1e}"
               f" dW {r['grad_W_err']:.1e}", flush=True)
 
-    rows = run(args.shapes.split(","), [int(k) for k in args.k.split(",")], torch.bfloat16, device, args.repeat, log)
+    only = None if args.methods is None else set(args.methods.split(","))
+    rows = run(args.shapes.split(","), [int(k) for k in args.k.split(",")], torch.bfloat16, device, args.repeat, log, only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": environment(device), "rows": rows}, f, indent=1)

@@ -12,7 +12,8 @@ SPEED_BLOCK_ELEMENTS = 1 << 28  # logits per "speed" block (512 MiB in bf16): fe
 MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
-WEIGHT_GRAD_SLABS = 8  # a grad_weight accumulator wider than W: vocabulary slabs, converted one by one
+WEIGHT_GRAD_SLABS = 8  # a grad_weight accumulator wider than W: at most this many vocabulary slabs,
+WEIGHT_GRAD_SLAB_BYTES = 256 << 20  # each at least this big (a small head is one slab: fewer products)
 
 
 def _round_down(n: int, multiple: int) -> int:
@@ -40,9 +41,11 @@ def speed_extra_bytes(n_rows: int, hidden: int, vocab: int, itemsize: int) -> in
     return vocab * hidden * 4 + rows * cols * itemsize
 
 
-def weight_grad_slabs(vocab: int, wider_than_weight: bool) -> list[int]:
-    """Edges [0, .., vocab] of the vocabulary slabs of a grad_weight accumulator: one slab
-    when it has W's dtype; WEIGHT_GRAD_SLABS when it is wider (fp32 for a 16-bit W), so its
+def weight_grad_slabs(vocab: int, class_bytes: int, wider_than_weight: bool) -> list[int]:
+    """Edges [0, .., vocab] of the vocabulary slabs of a grad_weight accumulator whose class
+    (one row of W) takes class_bytes: one slab when it has W's dtype; when it is wider (fp32
+    for a 16-bit W), up to WEIGHT_GRAD_SLABS slabs of at least WEIGHT_GRAD_SLAB_BYTES, so its
     conversion can free each slab in turn (peak 2 W + W / slabs instead of 3 W)."""
-    step = vocab if not wider_than_weight else max(1, -(-vocab // WEIGHT_GRAD_SLABS))
+    slabs = min(WEIGHT_GRAD_SLABS, max(1, vocab * class_bytes // WEIGHT_GRAD_SLAB_BYTES)) if wider_than_weight else 1
+    step = -(-vocab // slabs)
     return list(range(0, vocab, step)) + [vocab]

@@ -90,7 +90,7 @@ class Head:
         (interop.blocking.weight_grad_slabs: one unless dtype is wider than W's), so that
         `weight_grad` can convert and free them one by one."""
         classes, d = (self.W.shape[0], self.W.shape[1]) if self.vd else (self.W.shape[1], self.W.shape[0])
-        edges = weight_grad_slabs(classes, jnp.dtype(dtype) != self.W.dtype)
+        edges = weight_grad_slabs(classes, d * jnp.dtype(dtype).itemsize, jnp.dtype(dtype) != self.W.dtype)
         return tuple(jnp.zeros((b - a, d) if self.vd else (d, b - a), dtype) for a, b in zip(edges, edges[1:]))
 
     def weight_grad(self, dW: tuple):

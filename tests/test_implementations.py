@@ -18,7 +18,8 @@ def small_chunks(monkeypatch):
     """Several chunks / blocks at these small sizes (the defaults would use one).
 
     chunked: ceil(N * D / V) rows, 5 for most problems here; speed: blocks of 4 whole rows;
-    memory: blocks of 4 rows x 8 to 12 columns.
+    memory: blocks of 4 rows x 8 to 12 columns; an fp32 grad_weight of a 16-bit W in
+    WEIGHT_GRAD_SLABS vocabulary slabs.
     """
     import interop.options
     import interop.blocking
@@ -27,6 +28,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 4)
     monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (4, 4))
     monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 5 * 53)
+    monkeypatch.setattr(interop.blocking, "WEIGHT_GRAD_SLAB_BYTES", 1)
 
 
 def check_against_reference(result, ref, dtype, logit_scale=1.0, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):

@@ -69,12 +69,13 @@ _MIXED_ADDMM = [True]
 class WeightGrad:
     """grad_weight accumulated in `dtype` as vocabulary slabs (interop.blocking.
     weight_grad_slabs), each its own tensor, so that the conversion to W's dtype frees each
-    slab as it goes: an fp32 accumulator of a 16-bit W peaks at 2 W + W / slabs, not 3 W."""
+    slab as it goes: an fp32 accumulator of a 16-bit W peaks at 2 W + W / slabs, not 3 W.
+    `slabs` holds the accumulator's tensors until `result` spends them."""
 
     def __init__(self, W, layout: str, dtype: torch.dtype):
-        vocab = W.shape[0] if layout == "VD" else W.shape[1]
+        vocab, hidden = (W.shape[0], W.shape[1]) if layout == "VD" else (W.shape[1], W.shape[0])
         self.layout, self.dtype = layout, W.dtype
-        self.starts = weight_grad_slabs(vocab, dtype != W.dtype)
+        self.starts = weight_grad_slabs(vocab, hidden * dtype.itemsize, dtype != W.dtype)
         shape = (lambda n: (n, W.shape[1])) if layout == "VD" else (lambda n: (W.shape[0], n))
         self.slabs = [torch.zeros(shape(b - a), dtype=dtype, device=W.device) for a, b in zip(self.starts, self.starts[1:])]
 
