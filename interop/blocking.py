@@ -12,8 +12,9 @@ SPEED_BLOCK_ELEMENTS = 1 << 28  # logits per "speed" block (512 MiB in bf16): fe
 MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
-WEIGHT_GRAD_SLABS = 8  # a grad_weight accumulator wider than W: at most this many vocabulary slabs,
-WEIGHT_GRAD_SLAB_BYTES = 256 << 20  # each at least this big (a small head is one slab: fewer products)
+WEIGHT_GRAD_SLABS = 2  # a grad_weight accumulator wider than W: at most this many vocabulary slabs,
+WEIGHT_GRAD_SLAB_BYTES = 256 << 20  # each at least this big (a small head is one slab: one product)
+SLAB_ALIGN = 256  # slab edges at multiples of this many classes
 
 
 def _round_down(n: int, multiple: int) -> int:
@@ -45,7 +46,14 @@ def weight_grad_slabs(vocab: int, class_bytes: int, wider_than_weight: bool) -> 
     """Edges [0, .., vocab] of the vocabulary slabs of a grad_weight accumulator whose class
     (one row of W) takes class_bytes: one slab when it has W's dtype; when it is wider (fp32
     for a 16-bit W), up to WEIGHT_GRAD_SLABS slabs of at least WEIGHT_GRAD_SLAB_BYTES, so its
-    conversion can free each slab in turn (peak 2 W + W / slabs instead of 3 W)."""
+    conversion can free each slab in turn (peak 2 W + W / slabs instead of 3 W; with two,
+    the W / 2 is about the logits block the loop held before). More slabs cost more than
+    they save (H100, `speed`, L / G: 1 slab 84 / 60 ms, 2 slabs 85 / 65 ms, 4: 92 / 62 ms,
+    8: 93 / 65 ms). Edges are multiples of SLAB_ALIGN classes: cuBLAS picks slow kernels
+    for a dz column slice whose start is less aligned (8 slabs of 16032 classes at L took
+    149 ms)."""
     slabs = min(WEIGHT_GRAD_SLABS, max(1, vocab * class_bytes // WEIGHT_GRAD_SLAB_BYTES)) if wider_than_weight else 1
     step = -(-vocab // slabs)
+    if slabs > 1:
+        step = -(-step // SLAB_ALIGN) * SLAB_ALIGN
     return list(range(0, vocab, step)) + [vocab]

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import block_shape, weight_grad_slabs
+from interop.blocking import block_shape
 from interop.options import CrossEntropyOptions
 from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl.matmul import contract
@@ -85,44 +85,12 @@ class Head:
         x_RD = x_RD.astype(dz.dtype)
         return contract(dz, x_RD, 0, 0, _wide(dz)) if self.vd else contract(x_RD, dz, 0, 0, _wide(dz))
 
-    def weight_grad_zeros(self, dtype) -> tuple:
-        """A grad_weight accumulator in `dtype`: a tuple of vocabulary slabs over W's classes
-        (interop.blocking.weight_grad_slabs: one unless dtype is wider than W's), so that
-        `weight_grad` can convert and free them one by one."""
-        classes, d = (self.W.shape[0], self.W.shape[1]) if self.vd else (self.W.shape[1], self.W.shape[0])
-        edges = weight_grad_slabs(classes, d * jnp.dtype(dtype).itemsize, jnp.dtype(dtype) != self.W.dtype)
-        return tuple(jnp.zeros((b - a, d) if self.vd else (d, b - a), dtype) for a, b in zip(edges, edges[1:]))
-
-    def weight_grad(self, dW: tuple):
-        """The accumulator in W's dtype and layout."""
-        return jnp.concatenate([s.astype(self.W.dtype) for s in dW], axis=0 if self.vd else 1)
-
-    def add_weight_share(self, dW: tuple, dz, x_R, v0, cols: int) -> tuple:
-        """The accumulator plus dz [R, cols]^T x_R at classes v0..v0+cols (v0 traced only
-        for a one-slab accumulator)."""
-        axis = 0 if self.vd else 1
-        if len(dW) == 1:
-            dW_c = jax.lax.dynamic_slice_in_dim(dW[0], v0, cols, axis=axis)
-            share = self.grad_weight_share(dz, x_R).astype(dW_c.dtype)
-            return (jax.lax.dynamic_update_slice_in_dim(dW[0], dW_c + share, v0, axis=axis),)
-        out, a = [], 0
-        for slab in dW:
-            b = a + slab.shape[axis]
-            lo, hi = max(a, v0), min(b, v0 + cols)
-            if lo < hi:
-                share = self.grad_weight_share(dz[:, lo - v0 : hi - v0], x_R).astype(slab.dtype)
-                whole = (lo, hi) == (a, b)
-                slab = slab + share if whole else jax.lax.dynamic_update_slice_in_dim(
-                    slab, jax.lax.slice_in_dim(slab, lo - a, hi - a, axis=axis) + share, lo - a, axis=axis)
-            out.append(slab)
-            a = b
-        return tuple(out)
-
     def add_shares(self, dz, x_R, v0, cols: int, dW, db, dx_acc):
-        """(dW, db, dx_acc) plus dz [R, cols]'s shares (columns v0..v0+cols; dW a
-        weight_grad_zeros accumulator; db may be None)."""
+        """(dW, db, dx_acc) plus dz [R, cols]'s shares (columns v0..v0+cols; db may be None)."""
+        axis = 0 if self.vd else 1
         dx_acc = dx_acc + self.grad_input_share(dz, self.head_cols(v0, cols))
-        dW = self.add_weight_share(dW, dz, x_R, v0, cols)
+        dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
+        dW = jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R).astype(dW.dtype), v0, axis=axis)
         if db is not None:
             db_c = jax.lax.dynamic_slice_in_dim(db, v0, cols) + dz.astype(db.dtype).sum(0)
             db = jax.lax.dynamic_update_slice_in_dim(db, db_c, v0, axis=0)
@@ -196,7 +164,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
         dz = block_grad(z, v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
         dx_R = prob.grad_input_share(dz, W).astype(x_R.dtype)
-        dW = prob.add_weight_share(dW, dz, x_R, 0, prob.vocab)
+        dW = dW + prob.grad_weight_share(dz, x_R).astype(dW.dtype)
         return (dW, db + dz.astype(jnp.float32).sum(0)), (lse, s_y, ws, dx_R)
 
     per_row = ((x_ND, 0), (rows.safe_y, 0), (rows.valid, False), (rows.bad, False), (rows.in_range, True), (rows.cw_y, 0))
@@ -204,7 +172,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
     carry = None
     if with_grads:
         acc = W.dtype if cfg.accumulate_in_input_dtype else jnp.float32
-        carry = (prob.weight_grad_zeros(acc), jnp.zeros((prob.vocab,), jnp.float32))
+        carry = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
     carry, outs = jax.lax.scan(row_step, carry, xs)
     lse, s_y, ws = (a.reshape(-1)[:n] for a in outs[:3])
     loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, prob.cw_sum, prob.vocab), rows, opts.reduction)
@@ -212,7 +180,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         return loss, lse, None
     dx = outs[3].reshape(-1, x_ND.shape[1])[:n]
     dW, db = carry
-    return loss, lse, (dx, prob.weight_grad(dW), None if b_V is None else db.astype(b_V.dtype))
+    return loss, lse, (dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype))
 
 
 def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig):
@@ -238,10 +206,10 @@ def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig)
     per_row = ((x_ND, 0), (rows.safe_y, 0), (lse_N, 0), (p_coef, 0), (t_coef, 0), (s_coef, 0))
     xs = tuple(row_blocks(a, n, R, fill) for a, fill in per_row)
     acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else jnp.float32
-    init = (prob.weight_grad_zeros(acc), jnp.zeros((prob.vocab,), jnp.float32))
+    init = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
     (dW, db), dx = jax.lax.scan(row_step, init, xs)
     dx = dx.reshape(-1, x_ND.shape[1])[:n]
-    return dx, prob.weight_grad(dW), None if b_V is None else db.astype(b_V.dtype)
+    return dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -84,11 +84,10 @@ def _unblock(a, n: int):
     return a.reshape((-1,) + a.shape[2:])[:n]
 
 
-def _grad_buffers(cfg: DistillConfig, head: Head, bias: bool):
-    """(grad_weight accumulator (Head.weight_grad_zeros), fp32 db [V] or None)."""
-    W = head.W
+def _grad_buffers(cfg: DistillConfig, W, bias: bool):
+    acc = cfg.accumulate_dtype(W.dtype)
     db = jnp.zeros((W.shape[0] if cfg.weight_layout == "VD" else W.shape[1],), compute_dtype(W.dtype)) if bias else None
-    return head.weight_grad_zeros(cfg.accumulate_dtype(W.dtype)), db
+    return jnp.zeros(W.shape, acc), db
 
 
 def _final(g, like):
@@ -140,14 +139,14 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
 
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
     per_row = ((x_ND, 0), (y_N, -1), (r_N, 0)) + _teacher_rows(teacher)
-    carry = _grad_buffers(cfg, head, b_V is not None) if with_grads else None
+    carry = _grad_buffers(cfg, W, b_V is not None) if with_grads else None
     carry, outs = _scan_rows(row_step, carry, per_row, n, cfg.block_rows)
     loss = reduce_rows(_unblock(outs[0], n), valid_N, o.reduction, num_items)
     saved = tuple(_unblock(a, n) for a in outs[1:5])
     if not with_grads:
         return loss, saved, None
     dW, db = carry
-    return loss, saved, (_unblock(outs[5], n), head.weight_grad(dW), _final(db, b_V))
+    return loss, saved, (_unblock(outs[5], n), _final(dW, W), _final(db, b_V))
 
 
 def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, saved, cfg: DistillConfig):
@@ -169,8 +168,8 @@ def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num
 
     r_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide)
     per_row = ((x_ND, 0), (y_N, -1), (r_N, 0)) + tuple((a, 0) for a in saved) + _teacher_rows(teacher)
-    (dW, db), dx = _scan_rows(row_step, _grad_buffers(cfg, head, b_V is not None), per_row, n, cfg.block_rows)
-    return _unblock(dx, n), head.weight_grad(dW), _final(db, b_V)
+    (dW, db), dx = _scan_rows(row_step, _grad_buffers(cfg, W, b_V is not None), per_row, n, cfg.block_rows)
+    return _unblock(dx, n), _final(dW, W), _final(db, b_V)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -244,13 +243,13 @@ def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, w
         return dW, outs + (dx_R.astype(x_R.dtype),)
 
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
-    carry = _grad_buffers(cfg, student, False)[0] if with_grads else None
+    carry = _grad_buffers(cfg, W, False)[0] if with_grads else None
     carry, outs = _scan_rows(row_step, carry, ((x_ND, 0), (xt_ND, 0), (r_N, 0)), n, cfg.block_rows)
     loss = reduce_rows(_unblock(outs[0], n), valid_N, o.reduction, num_items)
     saved = tuple(_unblock(a, n) for a in outs[1:4])
     if not with_grads:
         return loss, saved, None
-    return loss, saved, (_unblock(outs[4], n), student.weight_grad(carry))
+    return loss, saved, (_unblock(outs[4], n), _final(carry, W))
 
 
 def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: DistillConfig):
@@ -273,8 +272,8 @@ def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: 
 
     coef_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide) * (o.scale / o.temperature)
     per_row = ((x_ND, 0), (xt_ND, 0), (coef_N, 0)) + tuple((a, 0) for a in saved)
-    dW, dx = _scan_rows(row_step, _grad_buffers(cfg, student, False)[0], per_row, n, cfg.block_rows)
-    return _unblock(dx, n), student.weight_grad(dW)
+    dW, dx = _scan_rows(row_step, _grad_buffers(cfg, W, False)[0], per_row, n, cfg.block_rows)
+    return _unblock(dx, n), _final(dW, W)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

@@ -20,6 +20,7 @@ pytestmark = [
 ]
 
 STRATEGIES = ("speed", "memory")
+ALLOCATOR_SLACK = 32 << 20  # the caching allocator rounds each large allocation up to 2 MiB
 
 
 @pytest.fixture(params=["default-blocks", "small-blocks"])
@@ -128,7 +129,8 @@ def test_forward_only_does_no_gradient_work(strategy):
 def test_speed_peak_is_two_weights_plus_one_block():
     """"speed" holds an fp32 grad_weight (2 W for a bf16 W) and one logits block; its
     conversion to bf16 goes slab by slab, so the fwd+bwd peak stays below
-    2 W + max(block, W / slabs) + dx + O(N) (it was 3 W + dx with one fp32 tensor)."""
+    2 W + max(block, the largest slab in bf16) + dx + O(N) (it was 3 W + dx with one fp32
+    tensor)."""
     import torch_impl
     from interop.blocking import weight_grad_slabs
     from torch_impl.blocked import plan_blocks
@@ -138,13 +140,14 @@ def test_speed_peak_is_two_weights_plus_one_block():
     x.requires_grad_()
     W.requires_grad_()
     plan = plan_blocks("speed", n, d, v, torch.bfloat16, False)
-    w_bytes, slabs = W.numel() * 2, len(weight_grad_slabs(v, d * 4, True)) - 1
+    edges = weight_grad_slabs(v, d * 4, True)
+    w_bytes, slabs, part = W.numel() * 2, len(edges) - 1, max(b - a for a, b in zip(edges, edges[1:])) * d * 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     torch_impl.linear_cross_entropy(x, W, y, strategy="speed").backward()
     peak = torch.cuda.max_memory_allocated() - base
-    bound = 2 * w_bytes + max(plan.block_rows * plan.block_cols * 2, w_bytes / slabs) + x.numel() * 2 + 64 * n
+    bound = 2 * w_bytes + max(plan.block_rows * plan.block_cols * 2, part) + x.numel() * 2 + 64 * n + ALLOCATOR_SLACK
     assert slabs > 1 and peak <= bound, f"peak {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB ({slabs} slabs)"
     assert peak < 3 * w_bytes
 

@@ -18,8 +18,8 @@ def small_chunks(monkeypatch):
     """Several chunks / blocks at these small sizes (the defaults would use one).
 
     chunked: ceil(N * D / V) rows, 5 for most problems here; speed: blocks of 4 whole rows;
-    memory: blocks of 4 rows x 8 to 12 columns; an fp32 grad_weight of a 16-bit W in
-    WEIGHT_GRAD_SLABS vocabulary slabs.
+    memory: blocks of 4 rows x 8 to 12 columns; an fp32 grad_weight of a 16-bit W in 5
+    vocabulary slabs.
     """
     import interop.options
     import interop.blocking
@@ -28,7 +28,9 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 4)
     monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (4, 4))
     monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 5 * 53)
+    monkeypatch.setattr(interop.blocking, "WEIGHT_GRAD_SLABS", 5)
     monkeypatch.setattr(interop.blocking, "WEIGHT_GRAD_SLAB_BYTES", 1)
+    monkeypatch.setattr(interop.blocking, "SLAB_ALIGN", 1)
 
 
 def check_against_reference(result, ref, dtype, logit_scale=1.0, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):
@@ -150,73 +152,44 @@ def test_accumulate_in_input_dtype(impl):
 
 
 
-class _TorchWeightGrad:
-    def __init__(self, W_np, layout):
-        import torch
-
-        from torch_impl.blocked import WeightGrad
-
-        self.acc = WeightGrad(torch.from_numpy(W_np).to(torch.bfloat16), layout, torch.float32)
-        self.n_slabs = len(self.acc.slabs)
-
-    def add(self, dz, x, v0):
-        import torch
-
-        self.acc.add_(torch.from_numpy(dz).to(torch.bfloat16), torch.from_numpy(x).to(torch.bfloat16), v0)
-
-    def result(self):
-        import torch
-
-        out = self.acc.result()
-        assert out.dtype == torch.bfloat16 and self.acc.slabs == []
-        return out.float().numpy()
-
-
-class _JaxWeightGrad:
-    def __init__(self, W_np, layout):
-        import jax.numpy as jnp
-
-        from jax_impl.blocked import Head
-
-        x = jnp.zeros((1, W_np.shape[1] if layout == "VD" else W_np.shape[0]), jnp.bfloat16)
-        self.head = Head(x, jnp.asarray(W_np, jnp.bfloat16), None, layout, block_cols=1)
-        self.acc = self.head.weight_grad_zeros(jnp.float32)
-        self.n_slabs = len(self.acc)
-
-    def add(self, dz, x, v0):
-        import jax.numpy as jnp
-
-        self.acc = self.head.add_weight_share(self.acc, jnp.asarray(dz, jnp.bfloat16), jnp.asarray(x, jnp.bfloat16), v0,
-                                              dz.shape[1])
-
-    def result(self):
-        import jax.numpy as jnp
-
-        out = self.head.weight_grad(self.acc)
-        assert out.dtype == jnp.bfloat16
-        return np.asarray(out.astype(jnp.float32))
-
-
-@pytest.mark.parametrize("framework", [_TorchWeightGrad, _JaxWeightGrad], ids=["torch", "jax"])
 @pytest.mark.parametrize("layout", ["VD", "DV"])
-def test_weight_grad_slabs_add_column_blocks_anywhere(framework, layout):
+def test_weight_grad_slabs_add_column_blocks_anywhere(layout):
     """An fp32 grad_weight accumulator of a bf16 W is cut into vocabulary slabs; column
     blocks that straddle slab edges land in the right rows (classes), and the result has
     W's dtype and layout and equals the float64 sum rounded once to bf16."""
-    from interop.blocking import WEIGHT_GRAD_SLABS
+    import torch
 
-    rng = np.random.default_rng(3)
+    from interop.blocking import WEIGHT_GRAD_SLABS
+    from torch_impl.blocked import WeightGrad
+
+    torch.manual_seed(3)
     V, D, R = 53, 19, 7
-    bf16 = lambda a: a.astype(np.float32).view(np.uint32).__and__(0xFFFF0000).view(np.float32)  # exact in bf16
-    acc = framework(np.zeros((V, D) if layout == "VD" else (D, V), np.float32), layout)
-    assert acc.n_slabs == WEIGHT_GRAD_SLABS
-    expected = np.zeros((V, D))
+    acc = WeightGrad(torch.zeros((V, D) if layout == "VD" else (D, V), dtype=torch.bfloat16), layout, torch.float32)
+    assert len(acc.slabs) == WEIGHT_GRAD_SLABS
+    expected = torch.zeros(V, D, dtype=torch.float64)
     for v0, cols in [(0, 53), (3, 11), (14, 25), (40, 13), (52, 1)]:
-        dz, x = bf16(rng.standard_normal((R, cols))), bf16(rng.standard_normal((R, D)))
-        acc.add(dz, x, v0)
-        expected[v0 : v0 + cols] += dz.astype(np.float64).T @ x.astype(np.float64)
+        dz, x = torch.randn(R, cols).bfloat16(), torch.randn(R, D).bfloat16()
+        acc.add_(dz, x, v0)
+        expected[v0 : v0 + cols] += dz.double().T @ x.double()
     got = acc.result()
-    assert got.shape == ((V, D) if layout == "VD" else (D, V))
+    assert got.dtype == torch.bfloat16 and got.shape == ((V, D) if layout == "VD" else (D, V)) and acc.slabs == []
     got = got if layout == "VD" else got.T
-    err = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    err = (got.double() - expected).norm() / expected.norm()
     assert err <= 2.0**-8, err
+
+
+def test_weight_grad_slab_edges(monkeypatch):
+    """Slabs only for a wide accumulator, at most WEIGHT_GRAD_SLABS of at least
+    WEIGHT_GRAD_SLAB_BYTES (no patching here: the library's values), edges aligned."""
+    monkeypatch.undo()  # the library's values, not small_chunks'
+    from interop.blocking import SLAB_ALIGN, WEIGHT_GRAD_SLAB_BYTES, WEIGHT_GRAD_SLABS, weight_grad_slabs
+
+    assert weight_grad_slabs(128256, 4096 * 2, False) == [0, 128256]
+    for vocab, hidden in [(128256, 4096), (256000, 2304), (32000, 1024)]:
+        edges = weight_grad_slabs(vocab, hidden * 4, True)
+        slabs = len(edges) - 1
+        assert edges[0] == 0 and edges[-1] == vocab and all(a < b for a, b in zip(edges, edges[1:]))
+        assert slabs == min(WEIGHT_GRAD_SLABS, max(1, vocab * hidden * 4 // WEIGHT_GRAD_SLAB_BYTES))
+        assert all(e % SLAB_ALIGN == 0 for e in edges[:-1])
+    assert len(weight_grad_slabs(128256, 4096 * 4, True)) - 1 == WEIGHT_GRAD_SLABS  # L: 2 GiB
+    assert len(weight_grad_slabs(32000, 1024 * 4, True)) - 1 == 1  # S: one product
