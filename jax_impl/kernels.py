@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 BLOCK_C = 2048
+TRITON_PARAMS = dict(num_warps=8, num_stages=1)  # the row kernels' launch parameters
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -156,7 +157,7 @@ def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool, interpr
         grid=(R,),
         input_output_aliases={first_stat + k: k for k in range(4)},
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
+        compiler_params=plt.CompilerParams(**TRITON_PARAMS),
     )(*args)
 
 
@@ -175,5 +176,5 @@ def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, interpre
         grid=(R,),
         input_output_aliases={1: 0},
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
+        compiler_params=plt.CompilerParams(**TRITON_PARAMS),
     )(v0, z_RC, *_extras(b_V, cw_V), y_R, lse_R, p_R, t_R, s_R, p2_R, lse2_R)

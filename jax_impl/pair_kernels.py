@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jax_impl.kernels import _block, _load_scalar, _store_scalar
+from jax_impl.kernels import TRITON_PARAMS, _block, _load_scalar, _store_scalar
 
 
 def _log_probs(s_ref, t_ref, row, start, block, mask, inv_t, lse_s, lse_t):
@@ -80,10 +80,6 @@ def _grad_kernel(s_ref, t_ref, lse_s_ref, lse_t_ref, b_ref, coef_ref, dz_ref, *,
     jax.lax.fori_loop(0, pl.cdiv(C, block), body, 0)
 
 
-def _params():
-    return plt.CompilerParams(num_warps=8, num_stages=1)
-
-
 def pair_sums(s_RC, t_RC, lse_s_R, lse_t_R, sums, divergence: str, temperature: float, beta: float, interpret: bool):
     """sums = (a, b), fp32 [R] each, plus this block's share; returns the new pair."""
     R, C = s_RC.shape
@@ -91,7 +87,7 @@ def pair_sums(s_RC, t_RC, lse_s_R, lse_t_R, sums, divergence: str, temperature: 
                                block=_block(C))
     return pl.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct((R,), jnp.float32)] * 2, grid=(R,),
-        input_output_aliases={4: 0, 5: 1}, interpret=interpret, compiler_params=_params(),
+        input_output_aliases={4: 0, 5: 1}, interpret=interpret, compiler_params=plt.CompilerParams(**TRITON_PARAMS),
     )(s_RC, t_RC, lse_s_R, lse_t_R, *sums)
 
 
@@ -102,5 +98,5 @@ def pair_grad(s_RC, t_RC, lse_s_R, lse_t_R, b_R, coef_R, divergence: str, temper
                                block=_block(C))
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((R, C), s_RC.dtype), grid=(R,),
-        input_output_aliases={0: 0}, interpret=interpret, compiler_params=_params(),
+        input_output_aliases={0: 0}, interpret=interpret, compiler_params=plt.CompilerParams(**TRITON_PARAMS),
     )(s_RC, t_RC, lse_s_R, lse_t_R, b_R, coef_R)
