@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 STRATEGIES = ("speed", "memory")
-ALLOCATOR_SLACK = 32 << 20  # the caching allocator rounds each large allocation up to 2 MiB
+ALLOCATOR_SLACK = 64 << 20  # large allocations rounded up to 2 MiB; cuBLAS's workspace (32 MiB on Hopper)
 
 
 @pytest.fixture(params=["default-blocks", "small-blocks"])
