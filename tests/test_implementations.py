@@ -152,11 +152,17 @@ def test_accumulate_in_input_dtype(impl):
 
 
 
+@pytest.mark.parametrize("blocks", [
+    [(0, 53), (3, 11), (14, 25), (40, 13), (52, 1)],  # a whole first block, then parts
+    [(3, 11), (14, 25), (0, 53), (52, 1)],  # parts first
+    [(0, 5), (2, 7)],  # most slabs never touched
+], ids=["whole-first", "parts-first", "untouched"])
 @pytest.mark.parametrize("layout", ["VD", "DV"])
-def test_weight_grad_slabs_add_column_blocks_anywhere(layout):
-    """An fp32 grad_weight accumulator of a bf16 W is cut into vocabulary slabs; column
-    blocks that straddle slab edges land in the right rows (classes), and the result has
-    W's dtype and layout and equals the float64 sum rounded once to bf16."""
+def test_weight_grad_slabs_add_column_blocks_anywhere(layout, blocks):
+    """An fp32 grad_weight accumulator of a bf16 W is cut into vocabulary slabs (allocated
+    uninitialised); column blocks that straddle slab edges land in the right rows
+    (classes), and the result has W's dtype and layout and equals the float64 sum rounded
+    once to bf16 (zeros where no block went)."""
     import torch
 
     from interop.blocking import WEIGHT_GRAD_SLABS
@@ -167,7 +173,7 @@ def test_weight_grad_slabs_add_column_blocks_anywhere(layout):
     acc = WeightGrad(torch.zeros((V, D) if layout == "VD" else (D, V), dtype=torch.bfloat16), layout, torch.float32)
     assert len(acc.slabs) == WEIGHT_GRAD_SLABS
     expected = torch.zeros(V, D, dtype=torch.float64)
-    for v0, cols in [(0, 53), (3, 11), (14, 25), (40, 13), (52, 1)]:
+    for v0, cols in blocks:
         dz, x = torch.randn(R, cols).bfloat16(), torch.randn(R, D).bfloat16()
         acc.add_(dz, x, v0)
         expected[v0 : v0 + cols] += dz.double().T @ x.double()
@@ -176,6 +182,7 @@ def test_weight_grad_slabs_add_column_blocks_anywhere(layout):
     got = got if layout == "VD" else got.T
     err = (got.double() - expected).norm() / expected.norm()
     assert err <= 2.0**-8, err
+    assert torch.equal(got[expected.abs().sum(1) == 0], torch.zeros_like(got[expected.abs().sum(1) == 0]))
 
 
 def test_weight_grad_slab_edges(monkeypatch):

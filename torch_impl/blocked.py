@@ -47,20 +47,25 @@ def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torc
     return BlockPlan("memory", rows, cols, dtype)
 
 
-def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, accumulating in acc's dtype (fp32 acc with 16-bit a, b allowed)."""
+def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
+    """acc = beta * acc + a @ b in acc's dtype (fp32 acc with 16-bit a, b allowed); with
+    beta 0, acc's old content is not read (it may be uninitialised)."""
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
     elif acc.is_cuda and _MIXED_ADDMM[0]:
         try:  # cuBLAS adds the 16-bit product into the fp32 matrix in place
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
             return
         except (RuntimeError, TypeError):  # this torch has no mixed-dtype addmm
             _MIXED_ADDMM[0] = False
-            _addmm_(acc, a, b)
+            _addmm_(acc, a, b, beta)
     else:  # bounded temporaries: 4096 rows of acc at a time
         for i in range(0, acc.shape[0], 4096):
-            acc[i : i + 4096] += (a[i : i + 4096] @ b).to(acc.dtype)
+            product = (a[i : i + 4096] @ b).to(acc.dtype)
+            if beta:
+                acc[i : i + 4096] += product
+            else:
+                acc[i : i + 4096] = product
 
 
 _MIXED_ADDMM = [True]
@@ -70,31 +75,42 @@ class WeightGrad:
     """grad_weight accumulated in `dtype` as vocabulary slabs (interop.blocking.
     weight_grad_slabs), each its own tensor, so that the conversion to W's dtype frees each
     slab as it goes: an fp32 accumulator of a 16-bit W peaks at 2 W + W / slabs, not 3 W.
-    `slabs` holds the accumulator's tensors until `result` spends them."""
+    A slab's first product overwrites it (no zero fill to read back); a slab that only
+    gets parts of blocks is zeroed first, one that gets none at the end. `slabs` holds the
+    accumulator's tensors until `result` spends them."""
 
     def __init__(self, W, layout: str, dtype: torch.dtype):
         vocab, hidden = (W.shape[0], W.shape[1]) if layout == "VD" else (W.shape[1], W.shape[0])
         self.layout, self.dtype = layout, W.dtype
         self.starts = weight_grad_slabs(vocab, hidden * dtype.itemsize, dtype != W.dtype)
         shape = (lambda n: (n, W.shape[1])) if layout == "VD" else (lambda n: (W.shape[0], n))
-        self.slabs = [torch.zeros(shape(b - a), dtype=dtype, device=W.device) for a, b in zip(self.starts, self.starts[1:])]
+        self.slabs = [torch.empty(shape(b - a), dtype=dtype, device=W.device) for a, b in zip(self.starts, self.starts[1:])]
+        self.written = [False] * len(self.slabs)
 
     def add_(self, dz_RC, x_RD, v0: int) -> None:
         """Add dz [R, C]^T x [R, D] to the rows (classes) v0..v0+C."""
         v1 = v0 + dz_RC.shape[1]
-        for slab, a, b in zip(self.slabs, self.starts, self.starts[1:]):
+        for i, (slab, a, b) in enumerate(zip(self.slabs, self.starts, self.starts[1:])):
             lo, hi = max(a, v0), min(b, v1)
             if lo >= hi:
                 continue
+            if not self.written[i] and (lo, hi) != (a, b):
+                slab.zero_()
+                self.written[i] = True
+            beta = 1.0 if self.written[i] else 0.0
             dz = dz_RC[:, lo - v0 : hi - v0]
             if self.layout == "VD":
-                _addmm_(slab[lo - a : hi - a], dz.T, x_RD)
+                _addmm_(slab[lo - a : hi - a], dz.T, x_RD, beta)
             else:
-                _addmm_(slab[:, lo - a : hi - a], x_RD.T, dz)
+                _addmm_(slab[:, lo - a : hi - a], x_RD.T, dz, beta)
+            self.written[i] = True
 
     def result(self) -> torch.Tensor:
         """grad_weight in W's dtype and layout; the accumulator is spent."""
         slabs, self.slabs = self.slabs, []
+        for slab, written in zip(slabs, self.written):
+            if not written:
+                slab.zero_()
         if len(slabs) == 1:
             return slabs[0].to(self.dtype)
         parts = []
@@ -165,7 +181,10 @@ class HeadBlocks:
         dx = torch.empty_like(x) if need_x else None
         dx_acc = torch.zeros(min(self.plan.block_rows, x.shape[0]), x.shape[1], dtype=wide, device=x.device) \
             if need_x and not self.whole_rows else None
-        dW = WeightGrad(W, self.layout, self.plan.accumulate_dtype) if need_W else None
+        # One row block: each element of dW is one product, accumulated in fp32 by cuBLAS
+        # and written once in W's dtype, as exact as a wider accumulator and without it.
+        one_product = x.shape[0] <= self.plan.block_rows and self.logits_dtype == W.dtype
+        dW = WeightGrad(W, self.layout, W.dtype if one_product else self.plan.accumulate_dtype) if need_W else None
         db = torch.zeros(W.shape[0] if self.layout == "VD" else W.shape[1], dtype=wide, device=W.device) if need_b else None
         return dx, dx_acc, dW, db
 
