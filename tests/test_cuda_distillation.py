@@ -43,21 +43,24 @@ def test_kernels_match_reference(strategy, kind, name, dtype, blocks):
         assert rel_err(results["torch"][key], results["jax"][key]) <= 2 * tol, f"torch vs jax {key}"
 
 
-def test_dense_speed_peak_is_two_weights_plus_two_blocks():
+def test_dense_speed_peak_is_two_weights_plus_two_blocks(monkeypatch):
     """The dense loss holds the teacher's logits block beside the student's, and the fp32
     grad_weight is converted slab by slab: the fwd+bwd peak of "speed" stays below
     2 W + max(two blocks, a slab) + dx + O(N); 3 W (one fp32 accumulator converted at
     once) would exceed it at this shape."""
+    import interop.blocking
     import torch_impl
     from interop.blocking import block_shape, weight_grad_slabs
 
-    n, d, v = 1024, 8192, 50000  # W 781 MiB; the two blocks 195 MiB
+    n, d, v = 1024, 8192, 50000  # W 781 MiB; two row blocks, each two buffers of 49 MiB
+    monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 512 * v)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, xt = (torch.randn(n, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
     W, Wt = ((torch.randn(v, d, device="cuda", generator=gen) / d**0.5).bfloat16() for _ in range(2))
     x.requires_grad_()
     W.requires_grad_()
     rows, cols = block_shape("speed", n, d, v, 2, buffers=2)
+    assert rows < n
     edges = weight_grad_slabs(v, d * 4, True)
     w_bytes, part = W.numel() * 2, max(b - a for a, b in zip(edges, edges[1:])) * d * 2
     torch.cuda.synchronize()

@@ -108,9 +108,9 @@ class WeightGrad:
     def result(self) -> torch.Tensor:
         """grad_weight in W's dtype and layout; the accumulator is spent."""
         slabs, self.slabs = self.slabs, []
-        for slab, written in zip(slabs, self.written):
-            if not written:
-                slab.zero_()
+        for i in range(len(slabs)):  # by index: a loop variable would keep the last slab alive
+            if not self.written[i]:
+                slabs[i].zero_()
         if len(slabs) == 1:
             return slabs[0].to(self.dtype)
         parts = []
