@@ -19,6 +19,7 @@ Two strategies (`plan_blocks`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -52,23 +53,29 @@ def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1
     beta 0, acc's old content is not read (it may be uninitialised)."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b, beta=beta)
-    elif acc.is_cuda and _MIXED_ADDMM[0]:
-        try:  # cuBLAS adds the 16-bit product into the fp32 matrix in place
-            torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
-            return
-        except (RuntimeError, TypeError):  # this torch has no mixed-dtype addmm
-            _MIXED_ADDMM[0] = False
-            _addmm_(acc, a, b, beta)
-    else:  # bounded temporaries: 4096 rows of acc at a time
+    elif acc.is_cuda and _mixed_addmm_supported():  # cuBLAS adds the 16-bit product in fp32, in place
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
+    else:  # products in acc's dtype, 4096 rows of acc at a time (bounded temporaries)
+        b = b.to(acc.dtype)
         for i in range(0, acc.shape[0], 4096):
-            product = (a[i : i + 4096] @ b).to(acc.dtype)
+            product = a[i : i + 4096].to(acc.dtype) @ b
             if beta:
                 acc[i : i + 4096] += product
             else:
                 acc[i : i + 4096] = product
 
 
-_MIXED_ADDMM = [True]
+@functools.cache
+def _mixed_addmm_supported() -> bool:
+    """Whether this torch has addmm with out_dtype (16-bit inputs into fp32), probed once on a
+    tiny CUDA problem; errors of real calls propagate (an out-of-memory is not "unsupported")."""
+    try:
+        acc = torch.zeros(1, 1, device="cuda")
+        one = torch.ones(1, 1, device="cuda", dtype=torch.bfloat16)
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+        return True
+    except (RuntimeError, TypeError):
+        return False
 
 
 class WeightGrad:
