@@ -8,7 +8,8 @@ Two strategies (`plan_blocks`):
 - "speed": blocks of whole rows (C = V). When the loss is reduced ("mean"/"sum") and
   no lse is returned, the gradients are computed during the forward pass (6 N D V flops)
   and the backward pass only scales them. grad_weight is accumulated across row blocks in
-  fp32 (or in the input dtype with `accumulate_in_input_dtype`).
+  fp32 (or in the input dtype with `accumulate_in_input_dtype`), in vocabulary slabs
+  (`WeightGrad`); with one row block it is one product written in the input dtype.
 - "memory": blocks of [R, C] sized so that the logits block and the fp32 grad_input
   accumulator of one row block together stay under a few percent of the gradients'
   bytes. The backward pass recomputes the logits (8 N D V flops). grad_weight is
