@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from interop.options import DEFAULT_IGNORE_INDEX, FLOAT_DTYPES, INT_DTYPES, REDUCTIONS, _as_float
+from interop.options import DEFAULT_IGNORE_INDEX, FLOAT_DTYPES, INT_DTYPES, REDUCTIONS, _as_float, check_bias
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -197,11 +197,7 @@ def check_topk_inputs(*, input_shape, input_dtype, weight_shape, weight_dtype, i
         raise ValueError(f"teacher_logprobs must have teacher_ids' shape {tuple(ids_shape)}, got {tuple(logprobs_shape)}")
     if logprobs_dtype not in FLOAT_DTYPES:
         raise TypeError(f"teacher_logprobs must have a floating dtype, got {logprobs_dtype}")
-    if bias_shape is not None:
-        if tuple(bias_shape) != (vocab,):
-            raise ValueError(f"linear_bias must have shape ({vocab},), got {tuple(bias_shape)}")
-        if bias_dtype != input_dtype:
-            raise TypeError(f"linear_bias must have the input's dtype {input_dtype}, got {bias_dtype}")
+    check_bias(bias_shape, bias_dtype, vocab, weight_shape, input_dtype)
     if weight_hard > 0 and target_shape is None:
         raise ValueError("weight_hard > 0 needs a target (the hard labels)")
     _check_rows(lead, target_shape, target_dtype, row_mask_shape, row_mask_dtype)

@@ -126,11 +126,7 @@ def check_inputs(
     lead_shape = input_shape[:-1]
     if target_shape != lead_shape:
         raise ValueError(f"target must have shape {lead_shape} (input {input_shape} without its last dimension), got {target_shape}")
-    if bias_shape is not None:
-        if tuple(bias_shape) != (vocab,):
-            raise ValueError(f"linear_bias must have shape ({vocab},) matching linear_weight {weight_shape}, got {tuple(bias_shape)}")
-        if bias_dtype != input_dtype:
-            raise TypeError(f"linear_bias must have the input's dtype {input_dtype}, got {bias_dtype}")
+    check_bias(bias_shape, bias_dtype, vocab, weight_shape, input_dtype)
     if class_weight_shape is not None:
         if tuple(class_weight_shape) != (vocab,):
             raise ValueError(f"weight (class weights) must have shape ({vocab},), got {tuple(class_weight_shape)}")
@@ -174,3 +170,13 @@ def target_out_of_range_message(bad_target: int, vocab: int, ignore_index: int) 
         f"target holds {bad_target}, outside [0, {vocab}) for a vocabulary of V={vocab} "
         f"and not ignore_index={ignore_index}"
     )
+
+
+def check_bias(bias_shape, bias_dtype, vocab: int, weight_shape, input_dtype) -> None:
+    """linear_bias (or None) must be [V] (V from linear_weight) in the input's dtype."""
+    if bias_shape is None:
+        return
+    if tuple(bias_shape) != (vocab,):
+        raise ValueError(f"linear_bias must have shape ({vocab},) matching linear_weight {tuple(weight_shape)}, got {tuple(bias_shape)}")
+    if bias_dtype != input_dtype:
+        raise TypeError(f"linear_bias must have the input's dtype {input_dtype}, got {bias_dtype}")
