@@ -27,8 +27,8 @@ import torch
 
 from interop.blocking import block_shape, weight_grad_slabs
 from interop.options import CrossEntropyOptions
+from torch_impl.ce_kernels import RowMath
 from torch_impl.kernels import block_grad_, block_stats_
-from torch_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loss
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
@@ -198,45 +198,41 @@ class HeadBlocks:
 
 
 class _Blocks(HeadBlocks):
-    """A cross-entropy call: the head's blocks plus the options and target facts."""
+    """A cross-entropy call: the head's blocks plus the per-row math of its targets and options."""
 
     def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan):
         super().__init__(x_ND, W, b_V, weight_layout, plan)
         self.opts = opts
         self.cw = None if cw_V is None else cw_V.float()
-        self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
-        self.rows = TargetRows(y_N, self.cw, self.vocab, opts.ignore_index, torch.float32)
-
-    def grad_block_(self, z, rs: slice, v0: int, lse, p_coef, t_coef, s_coef) -> torch.Tensor:
-        """Rewrite the logits block z as dz, in place; returns it."""
-        block_grad_(z, z, v0, self.b, self.cw, self.rows.safe_y[rs], lse, p_coef, t_coef, s_coef, self.opts.softcap)
-        return z
+        self.y = y_N.to(torch.int64)
+        self.rows = RowMath(self.y, self.cw, opts, self.vocab)
 
 
 def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False)):
     """Loss (reduced), lse [N] (fp32) and, if any of grads_now = (x, W, b) is set, those
     gradients for an upstream gradient of 1 (else None): (loss, lse, dx, dW, db)."""
     blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan)
-    rows, n, dev = blocks.rows, x_ND.shape[0], x_ND.device
-    m = torch.full((n,), -math.inf, dtype=torch.float32, device=dev)
-    l, sy, ws = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    n, dev = x_ND.shape[0], x_ND.device
+    lse, loss = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
     in_forward = any(grads_now)
-    assert not in_forward or plan.block_cols == blocks.vocab, "gradients in the forward pass need whole rows"
+    assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
     dx, _, dW, db = blocks.gradient_buffers(*grads_now)
-    one = torch.ones((), dtype=torch.float32, device=dev)
-    for rs in blocks.row_blocks():
-        for v0, cols in blocks.col_blocks():
-            z = blocks.logits(rs, v0, cols)
-            block_stats_(z, v0, b_V, blocks.cw, rows.safe_y[rs], m[rs], l[rs], sy[rs], ws[rs], opts.softcap,
-                         opts.label_smoothing > 0)
-        lse[rs] = m[rs] + torch.log(l[rs])
-        if in_forward:
-            coefs = row_coefficients(one, None, lse[rs], rows, blocks.cw_sum, opts, blocks.vocab, rs)
-            dz = blocks.grad_block_(z, rs, 0, lse[rs], *coefs)
-            blocks.add_grads(dz, rs, 0, blocks.vocab, None if dx is None else dx[rs], dW, db)
-    loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, blocks.cw_sum, blocks.vocab), rows, opts.reduction)
-    z = dz = blocks = None  # the logits buffer goes before dW's conversion allocates its result
+    if blocks.whole_rows:  # statistics, losses and dz in one kernel per row block
+        for rs in blocks.row_blocks():
+            z = blocks.logits(rs, 0, blocks.vocab)
+            blocks.rows.rows_(z, b_V, rs, lse[rs], loss[rs], grad=in_forward)
+            if in_forward:
+                blocks.add_grads(z, rs, 0, blocks.vocab, None if dx is None else dx[rs], dW, db)
+    else:
+        m = torch.full((n,), -math.inf, dtype=torch.float32, device=dev)
+        l, sy, ws = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
+        for rs in blocks.row_blocks():
+            for v0, cols in blocks.col_blocks():
+                block_stats_(blocks.logits(rs, v0, cols), v0, b_V, blocks.cw, blocks.y[rs], m[rs], l[rs], sy[rs], ws[rs],
+                             opts.softcap, opts.label_smoothing > 0)
+            blocks.rows.losses_(m[rs], l[rs], sy[rs], ws[rs], rs, lse[rs], loss[rs])
+    loss = blocks.rows.reduce(loss)
+    z = blocks = None  # the logits buffer goes before dW's conversion allocates its result
     return loss, lse, dx, _final(dW, W), _final(db, b_V)
 
 
@@ -247,10 +243,10 @@ def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_lay
         grad_loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
     for rs in blocks.row_blocks():
-        coefs = row_coefficients(grad_loss[rs] if grad_loss.ndim else grad_loss, None if grad_lse is None else grad_lse[rs],
-                                 lse[rs], blocks.rows, blocks.cw_sum, opts, blocks.vocab, rs)
+        p_R, t_R, s_R = blocks.rows.coefficients(lse[rs], grad_loss, None if grad_lse is None else grad_lse[rs], rs)
         for v0, cols in blocks.col_blocks():
-            dz = blocks.grad_block_(blocks.logits(rs, v0, cols), rs, v0, lse[rs], *coefs)
+            dz = blocks.logits(rs, v0, cols)
+            block_grad_(dz, dz, v0, b_V, blocks.cw, blocks.y[rs], lse[rs], p_R, t_R, s_R, opts.softcap)
             dx_out = None if dx is None else (dx[rs] if dx_acc is None else dx_acc[: rs.stop - rs.start])
             blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
         if dx_acc is not None:

@@ -11,7 +11,8 @@ column offset v0): the elementwise and row-wise work between the matrix products
   of a top-K teacher's positions).
 
 Both apply the bias and the softcap on the fly; z is read in its own dtype and the math is
-fp32. One program handles one row of the block, looping over its columns.
+fp32. One program handles one row of the block, looping over its columns; the per-row loops
+are the device functions `row_stats` and `row_grad`, which `torch_impl.ce_kernels` reuses.
 """
 
 from __future__ import annotations
@@ -40,18 +41,12 @@ def _capped_logits(z_ptrs, b_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, HAS_C
 
 
 @triton.jit
-def _block_stats_kernel(
-    z_ptr, stride_zr,            # [R, C] logits block
-    b_ptr, cw_ptr,               # [V] bias, class weights (unused unless HAS_BIAS / HAS_CW)
-    y_ptr,                       # [R] int64 target, in [0, V)
-    m_ptr, l_ptr, sy_ptr, ws_ptr,  # [R] fp32 running statistics, updated in place
-    C, v0, cap, scale,           # the statistics are those of scale * s
-    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, NEED_WS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # Per-lane running statistics, reduced across lanes once at the end.
-    row = tl.program_id(0).to(tl.int64)
-    y = tl.load(y_ptr + row) - v0
+def row_stats(z_row_ptr, b_ptr, cw_ptr, y, C, cap, scale,
+               HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, NEED_WS: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """(m, l, s_y, ws) of one row's C logits: m = max and l = sum of exp(scale * s - m), s_y = s
+    at column y (0 unless y lies in [0, C)), ws = sum_j cw_j s_j (0 unless NEED_WS); b_ptr and
+    cw_ptr point at the row's first column. Per-lane running values, reduced at the end."""
     m_vec = tl.full([BLOCK], -float("inf"), tl.float32)
     l_vec = tl.zeros([BLOCK], tl.float32)
     sy_vec = tl.zeros([BLOCK], tl.float32)
@@ -59,7 +54,7 @@ def _block_stats_kernel(
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
-        s = _capped_logits(z_ptr + row * stride_zr + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP)
+        s = _capped_logits(z_row_ptr + offs, b_ptr, offs, mask, cap, HAS_BIAS, HAS_CAP)
         s_in = tl.where(mask, s * scale, -float("inf"))
         m_new = tl.maximum(m_vec, s_in)
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # lanes that have seen nothing yet
@@ -68,17 +63,58 @@ def _block_stats_kernel(
         sy_vec += tl.where(offs == y, s, 0.0)
         if NEED_WS:
             if HAS_CW:
-                s = s * tl.load(cw_ptr + v0 + offs, mask=mask, other=0.0).to(tl.float32)
+                s = s * tl.load(cw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             ws_vec += tl.where(mask, s, 0.0)
+    m = tl.max(m_vec, axis=0)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    l = tl.sum(tl.where(m_vec == -float("inf"), 0.0, l_vec * tl.exp(m_vec - m_safe)), axis=0)
+    return m, l, tl.sum(sy_vec, axis=0), tl.sum(ws_vec, axis=0)
+
+
+@triton.jit
+def _block_stats_kernel(
+    z_ptr, stride_zr,            # [R, C] logits block
+    b_ptr, cw_ptr,               # [V] bias, class weights (unused unless HAS_BIAS / HAS_CW)
+    y_ptr,                       # [R] int64 target (any value)
+    m_ptr, l_ptr, sy_ptr, ws_ptr,  # [R] fp32 running statistics, updated in place
+    C, v0, cap, scale,           # the statistics are those of scale * s
+    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, NEED_WS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    m_blk, l_blk, sy, ws = row_stats(z_ptr + row * stride_zr, b_ptr + v0, cw_ptr + v0, tl.load(y_ptr + row) - v0,
+                                      C, cap, scale, HAS_BIAS, HAS_CW, HAS_CAP, NEED_WS, BLOCK)
     m_old = tl.load(m_ptr + row)
-    m_blk = tl.max(m_vec, axis=0)
     m = tl.maximum(m_old, m_blk)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
-    l_blk = tl.sum(tl.where(m_vec == -float("inf"), 0.0, l_vec * tl.exp(m_vec - m_safe)), axis=0)
-    tl.store(l_ptr + row, tl.load(l_ptr + row) * tl.exp(m_old - m_safe) + l_blk)
+    l_new = tl.load(l_ptr + row) * tl.exp(m_old - m_safe) + tl.where(m_blk == -float("inf"), 0.0, l_blk * tl.exp(m_blk - m_safe))
+    tl.store(l_ptr + row, l_new)
     tl.store(m_ptr + row, m)
-    tl.store(sy_ptr + row, tl.load(sy_ptr + row) + tl.sum(sy_vec, axis=0))
-    tl.store(ws_ptr + row, tl.load(ws_ptr + row) + tl.sum(ws_vec, axis=0))
+    tl.store(sy_ptr + row, tl.load(sy_ptr + row) + sy)
+    tl.store(ws_ptr + row, tl.load(ws_ptr + row) + ws)
+
+
+@triton.jit
+def row_grad(z_row_ptr, dz_row_ptr, b_ptr, cw_ptr, y, lse, p_coef, t_coef, s_coef, p2_coef, lse2, C, cap, scale,
+              HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_P2: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Write one row's dz = (P exp(scale s - lse) [+ P2 exp(s - lse2)] - T [j == y] - S cw_j)
+    * softcap'(z) over its C columns; b_ptr and cw_ptr point at the row's first column."""
+    for c0 in range(0, C, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        mask = offs < C
+        s = _capped_logits(z_row_ptr + offs, b_ptr, offs, mask, cap, HAS_BIAS, HAS_CAP)
+        dz = p_coef * tl.exp(s * scale - lse) - tl.where(offs == y, t_coef, 0.0)
+        if HAS_P2:
+            dz += p2_coef * tl.exp(s - lse2)
+        if HAS_CW:
+            dz -= s_coef * tl.load(cw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            dz -= s_coef
+        if HAS_CAP:
+            t = s / cap
+            dz *= 1.0 - t * t
+        tl.store(dz_row_ptr + offs, dz.to(dz_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -86,7 +122,7 @@ def _block_grad_kernel(
     z_ptr, stride_zr,            # [R, C] logits block
     dz_ptr, stride_dr,           # [R, C] output (may be z itself)
     b_ptr, cw_ptr,               # [V]
-    y_ptr, lse_ptr,              # [R] int64 target, fp32 lse of scale * s
+    y_ptr, lse_ptr,              # [R] int64 target (any value), fp32 lse of scale * s
     p_ptr, t_ptr, s_ptr,         # [R] fp32 coefficients: dz = P p - T [j == y] - S cw_j
     p2_ptr, lse2_ptr,            # [R] fp32, with HAS_P2: dz += P2 exp(s - lse2)
     C, v0, cap, scale,           # p = exp(scale * s - lse)
@@ -94,32 +130,17 @@ def _block_grad_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    y = tl.load(y_ptr + row) - v0
-    lse = tl.load(lse_ptr + row)
-    p_coef = tl.load(p_ptr + row)
-    t_coef = tl.load(t_ptr + row)
-    s_coef = tl.load(s_ptr + row)
+    p2_coef, lse2 = 0.0, 0.0
     if HAS_P2:
         p2_coef = tl.load(p2_ptr + row)
         lse2 = tl.load(lse2_ptr + row)
-    for c0 in range(0, C, BLOCK):
-        offs = c0 + tl.arange(0, BLOCK)
-        mask = offs < C
-        s = _capped_logits(z_ptr + row * stride_zr + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP)
-        dz = p_coef * tl.exp(s * scale - lse) - tl.where(offs == y, t_coef, 0.0)
-        if HAS_P2:
-            dz += p2_coef * tl.exp(s - lse2)
-        if HAS_CW:
-            dz -= s_coef * tl.load(cw_ptr + v0 + offs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            dz -= s_coef
-        if HAS_CAP:
-            t = s / cap
-            dz *= 1.0 - t * t
-        tl.store(dz_ptr + row * stride_dr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+    row_grad(z_ptr + row * stride_zr, dz_ptr + row * stride_dr, b_ptr + v0, cw_ptr + v0, tl.load(y_ptr + row) - v0,
+              tl.load(lse_ptr + row), tl.load(p_ptr + row), tl.load(t_ptr + row), tl.load(s_ptr + row), p2_coef, lse2,
+              C, cap, scale, HAS_BIAS, HAS_CW, HAS_CAP, HAS_P2, BLOCK)
 
 
-def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def arg_or(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """t, or `like` standing in for an optional pointer argument the kernel will not read."""
     return like if t is None else t
 
 
@@ -138,10 +159,10 @@ def _put_entries_kernel(
     tl.store(dz_ptr + row * stride_dr + cols, vals.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
-def block_stats_(z_RC, v0: int, b_V, cw_V, safe_y_R, m_R, l_R, sy_R, ws_R, softcap, need_ws: bool, scale: float = 1.0) -> None:
+def block_stats_(z_RC, v0: int, b_V, cw_V, y_R, m_R, l_R, sy_R, ws_R, softcap, need_ws: bool, scale: float = 1.0) -> None:
     """Merge logits block z [R, C] (columns v0..v0+C) into the running statistics, in place.
 
-    safe_y_R: int64 targets (any value; only those in [v0, v0+C) are picked up);
+    y_R: int64 targets (any value; only those in [v0, v0+C) are picked up);
     m/l/sy/ws_R: fp32 [R], start at (-inf, 0, 0, 0); m and l are those of scale * s, s_y
     and ws of s.
     """
@@ -149,14 +170,14 @@ def block_stats_(z_RC, v0: int, b_V, cw_V, safe_y_R, m_R, l_R, sy_R, ws_R, softc
     if R == 0:
         return
     _block_stats_kernel[(R,)](
-        z_RC, z_RC.stride(0), _dummy(b_V, z_RC), _dummy(cw_V, z_RC), safe_y_R, m_R, l_R, sy_R, ws_R,
+        z_RC, z_RC.stride(0), arg_or(b_V, z_RC), arg_or(cw_V, z_RC), y_R, m_R, l_R, sy_R, ws_R,
         C, v0, 1.0 if softcap is None else float(softcap), float(scale),
         HAS_BIAS=b_V is not None, HAS_CW=cw_V is not None, HAS_CAP=softcap is not None, NEED_WS=need_ws,
         BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
     )
 
 
-def block_grad_(z_RC, dz_RC, v0: int, b_V, cw_V, safe_y_R, lse_R, p_R, t_R, s_R, softcap, scale: float = 1.0,
+def block_grad_(z_RC, dz_RC, v0: int, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, scale: float = 1.0,
                 second=None) -> None:
     """Write dz [R, C] for logits block z [R, C] (columns v0..v0+C); dz may be z itself.
 
@@ -168,8 +189,8 @@ def block_grad_(z_RC, dz_RC, v0: int, b_V, cw_V, safe_y_R, lse_R, p_R, t_R, s_R,
         return
     p2_R, lse2_R = (lse_R, lse_R) if second is None else second
     _block_grad_kernel[(R,)](
-        z_RC, z_RC.stride(0), dz_RC, dz_RC.stride(0), _dummy(b_V, z_RC), _dummy(cw_V, z_RC),
-        safe_y_R, lse_R, p_R, t_R, s_R, p2_R, lse2_R, C, v0, 1.0 if softcap is None else float(softcap), float(scale),
+        z_RC, z_RC.stride(0), dz_RC, dz_RC.stride(0), arg_or(b_V, z_RC), arg_or(cw_V, z_RC),
+        y_R, lse_R, p_R, t_R, s_R, p2_R, lse2_R, C, v0, 1.0 if softcap is None else float(softcap), float(scale),
         HAS_BIAS=b_V is not None, HAS_CW=cw_V is not None, HAS_CAP=softcap is not None, HAS_P2=second is not None,
         BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
     )
