@@ -91,7 +91,7 @@ def jax_row(name, method, x, W, y, ref, device, repeat):
 
 def run_shape(name, shape, torch_ms, jax_ms, dtype, device, data, repeat, log):
     n, d, v = shape
-    x, W, y = measure.make_inputs(n, d, v, dtype, device, peaked=data == "peaked")
+    x, W, y = measure.make_inputs(n, d, v, dtype, device, peaked=data == "peaked", zipf=data == "zipf")
     ref = measure.fwd_bwd(torch_methods.METHODS["ours-chunked"](), x.double(), W.double(), y)
     floor = x.numel() * x.element_size() + W.numel() * W.element_size()
     rows = []
@@ -119,7 +119,7 @@ def main(argv=None):
     parser.add_argument("--shapes", default=None, help="comma-separated presets (L,G,S,cpu) or NxDxV; default L,G,S on a GPU, cpu otherwise")
     parser.add_argument("--methods", default=None, help=f"comma-separated; default {','.join(TORCH_DEFAULT + JAX_DEFAULT)}")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default bfloat16 on a GPU, float32 on a CPU")
-    parser.add_argument("--data", default="random", choices=["random", "peaked"])
+    parser.add_argument("--data", default="random", choices=["random", "peaked", "zipf"])
     parser.add_argument("--sweep-n", default=None, help="comma-separated N values: sweep N of the first shape")
     parser.add_argument("--sweep-v", default=None, help="comma-separated V values: sweep V of the first shape")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per measurement (default 10 on a GPU, 3 on a CPU)")

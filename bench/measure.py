@@ -15,20 +15,26 @@ PRESETS = {
 }
 
 
-def make_inputs(n, d, v, dtype, device, ignore_frac=0.1, peaked=False, seed=0):
+def make_inputs(n, d, v, dtype, device, ignore_frac=0.1, peaked=False, seed=0, zipf=False):
     """x ~ N(0, 1), W ~ N(0, 1/D) (logits ~ N(0, 1)); 10% of targets -100.
 
     peaked: the logits are scaled so that the softmax has the entropy of a trained language
     model (a few nats), and the targets are drawn from that softmax's top classes.
+    zipf: a Zipf prior over the class ids is added to the logits (class j's logit gets
+    -log(j + 1), through x[:, 0] = 1 and W[:, 0]), as a trained head favours frequent tokens
+    and BPE vocabularies give those the low ids; targets as with `peaked`.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(n, d, device=device, generator=gen)
     W = torch.randn(v, d, device=device, generator=gen) / d**0.5
     if peaked:
         W *= 4.0  # logits ~ N(0, 16): entropy of a few nats at V ~ 1e5
+    if zipf:
+        x[:, 0] = 1.0
+        W[:, 0] = -torch.log(torch.arange(1, v + 1, device=device, dtype=W.dtype))
     x, W = x.to(dtype), W.to(dtype)
     y = torch.randint(0, v, (n,), device=device, generator=gen)
-    if peaked:  # the most likely class of each row
+    if peaked or zipf:  # the most likely class of each row
         y = torch.cat([y[:0]] + [(x[i : i + 1024] @ W.T).argmax(-1) for i in range(0, n, 1024)])
     y[torch.rand(n, device=device, generator=gen) < ignore_frac] = -100
     return x, W, y

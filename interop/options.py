@@ -150,6 +150,20 @@ def check_strategy(strategy: str) -> str:
     return strategy
 
 
+def check_filter_eps(filter_eps):
+    """Gradient filtering (same meaning in both frameworks): None (default) computes every
+    entry of the logits' gradient dz; a number e >= 0 lets the implementation drop entries
+    whose magnitude is below e times the larger of the row's coefficients |P|, |T|
+    (interop/SPEC.md), for plain cross-entropy the entries whose probability p_ij is below e.
+    The target's own term is never dropped. Returns it as a float (or None)."""
+    if filter_eps is None:
+        return None
+    e = _as_float("filter_eps", filter_eps)
+    if not (e >= 0.0 and math.isfinite(e)):
+        raise ValueError(f"filter_eps must be None or a finite number >= 0, got {filter_eps!r}")
+    return e
+
+
 MIN_CHUNK_ROWS = 64
 
 

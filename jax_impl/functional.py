@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from interop.blocking import speed_extra_bytes
-from interop.options import CrossEntropyOptions, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
+from interop.options import CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
 from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy
 
 try:
@@ -73,6 +73,7 @@ def linear_cross_entropy(
     weight_layout: str = "VD",
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
+    filter_eps: float | None = None,
 ):
     """Cross-entropy of ``input @ W.T + linear_bias`` without the N x V logits.
 
@@ -92,6 +93,9 @@ def linear_cross_entropy(
         return_lse: also return the per-row logsumexp [...] (differentiable).
         strategy: "auto", "speed", "memory" or "chunked" (interop.options.check_strategy).
         accumulate_in_input_dtype: accumulate grad_weight in the input dtype rather than fp32.
+        filter_eps: gradient filtering (interop.options.check_filter_eps), validated and
+            accepted for the same call as PyTorch's; XLA's shapes are fixed when a function
+            is traced, so no matrix product can be skipped and JAX computes every entry.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
@@ -99,6 +103,7 @@ def linear_cross_entropy(
     """
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
     check_strategy(strategy)
+    check_filter_eps(filter_eps)
     input, linear_weight, target = jnp.asarray(input), jnp.asarray(linear_weight), jnp.asarray(target)
     shape = check_inputs(
         input_shape=input.shape,

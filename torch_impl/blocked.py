@@ -28,25 +28,30 @@ import torch
 from interop.blocking import block_shape, weight_grad_slabs
 from interop.options import CrossEntropyOptions
 from torch_impl.ce_kernels import RowMath
-from torch_impl.kernels import block_grad_, block_stats_
+from torch_impl.kernels import FILTER_COLS, TileFilter, block_grad_, block_stats_
+
+GATHER_SHARE = 0.25  # filtering gathers the kept tiles' columns when at most this share of tiles is kept
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
-    """How one call is blocked: `strategy`, rows and columns per block, dW accumulation dtype."""
+    """How one call is blocked: `strategy`, rows and columns per block, dW accumulation dtype,
+    and the gradient filter's threshold (None: no filtering)."""
 
     strategy: str
     block_rows: int
     block_cols: int
     accumulate_dtype: torch.dtype
+    filter_eps: float | None = None
 
 
-def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool) -> BlockPlan:
+def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool,
+                filter_eps: float | None = None) -> BlockPlan:
     """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory"."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize)
     if strategy == "speed":
-        return BlockPlan("speed", rows, cols, dtype if accumulate_in_input_dtype else torch.float32)
-    return BlockPlan("memory", rows, cols, dtype)
+        return BlockPlan("speed", rows, cols, dtype if accumulate_in_input_dtype else torch.float32, filter_eps)
+    return BlockPlan("memory", rows, cols, dtype, filter_eps)
 
 
 def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
@@ -113,6 +118,21 @@ class WeightGrad:
                 _addmm_(slab[:, lo - a : hi - a], x_RD.T, dz, beta)
             self.written[i] = True
 
+    def index_add_(self, classes_K: torch.Tensor, rows_KD: torch.Tensor) -> None:
+        """Add rows [K, D] (fp32) to the classes classes_K [K] (int64 in [0, V), repeats
+        allowed; CUDA adds them with atomics, in no fixed order)."""
+        for i, (slab, a, b) in enumerate(zip(self.slabs, self.starts, self.starts[1:])):
+            if not self.written[i]:
+                slab.zero_()
+                self.written[i] = True
+            inside = (classes_K >= a) & (classes_K < b)
+            part = (rows_KD * inside[:, None]).to(slab.dtype)
+            index = torch.where(inside, classes_K - a, 0)
+            if self.layout == "VD":
+                slab.index_add_(0, index, part)
+            else:
+                slab.index_add_(1, index, part.T)
+
     def result(self) -> torch.Tensor:
         """grad_weight in W's dtype and layout; the accumulator is spent."""
         slabs, self.slabs = self.slabs, []
@@ -157,6 +177,10 @@ class HeadBlocks:
         """W's columns v0..v0+cols as a [cols, D] view."""
         return self.W[v0 : v0 + cols] if self.layout == "VD" else self.W[:, v0 : v0 + cols].T
 
+    def head_rows(self, classes_K: torch.Tensor) -> torch.Tensor:
+        """W's classes classes_K [K] (int64) gathered into [K, D]."""
+        return self.W.index_select(0, classes_K) if self.layout == "VD" else self.W.index_select(1, classes_K).T
+
     def logits(self, rs: slice, v0: int, cols: int) -> torch.Tensor:
         """z [R, cols] = x[rs] @ W[v0:v0+cols].T (no bias), in the reused buffer."""
         x_R = self.x[rs]
@@ -183,7 +207,7 @@ class HeadBlocks:
     def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool):
         """(dx [N, D] in x's dtype, fp32 [R, D] accumulator when rows span several column
         blocks, dW a WeightGrad in the plan's accumulation dtype, db fp32 [V]; fp64 for fp64
-        inputs)."""
+        inputs). Filtering adds dW in parts: it keeps the plan's accumulator."""
         x, W = self.x, self.W
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         dx = torch.empty_like(x) if need_x else None
@@ -191,7 +215,7 @@ class HeadBlocks:
             if need_x and not self.whole_rows else None
         # One row block: each element of dW is one product, accumulated in fp32 by cuBLAS
         # and written once in W's dtype, as exact as a wider accumulator and without it.
-        one_product = x.shape[0] <= self.plan.block_rows and self.logits_dtype == W.dtype
+        one_product = x.shape[0] <= self.plan.block_rows and self.logits_dtype == W.dtype and self.plan.filter_eps is None
         dW = WeightGrad(W, self.layout, W.dtype if one_product else self.plan.accumulate_dtype) if need_W else None
         db = torch.zeros(W.shape[0] if self.layout == "VD" else W.shape[1], dtype=wide, device=W.device) if need_b else None
         return dx, dx_acc, dW, db
@@ -207,6 +231,49 @@ class _Blocks(HeadBlocks):
         self.y = y_N.to(torch.int64)
         self.rows = RowMath(self.y, self.cw, opts, self.vocab)
 
+    def tile_filter(self, rs: slice) -> TileFilter | None:
+        """A fresh TileFilter for the whole rows rs when the plan filters, else None."""
+        if self.plan.filter_eps is None or not self.whole_rows:
+            return None
+        return TileFilter(self.plan.filter_eps, rs.stop - rs.start, self.vocab, self.x.device)
+
+    def add_filtered_grads(self, dz, rs: slice, f: TileFilter, dx_out, dW, db) -> None:
+        """Add a filtered block of whole rows to the gradients: dz [R, V] on the tiles that
+        f.tiles keeps (gathered when few are, else the others zeroed in place) plus the
+        target terms f.target, sparse. Asks the GPU once which tiles are kept."""
+        vocab = self.vocab
+        kept = f.tiles.nonzero().squeeze(1).tolist()
+        if len(kept) > GATHER_SHARE * f.tiles.shape[0]:
+            dz.mul_(f.tiles.repeat_interleave(FILTER_COLS)[:vocab].to(dz.dtype))
+            cols, W_A = None, self.head_cols(0, vocab)
+        else:
+            cols = kept_columns(kept, vocab, dz.device)
+            dz, W_A = dz.index_select(1, cols), self.head_rows(cols)
+        y = self.y[rs]
+        y = torch.where((y >= 0) & (y < vocab), y, 0)  # the target term is 0 where y is not a class
+        target = f.target
+        if dx_out is not None:
+            acc = torch.empty(dx_out.shape, dtype=target.dtype, device=dz.device)
+            _addmm_(acc, dz, W_A, beta=0.0)
+            acc.addcmul_(target[:, None], self.head_rows(y).to(acc.dtype))
+            dx_out.copy_(acc)
+        x_R = self.x[rs]
+        if dW is not None:
+            if cols is None:
+                dW.add_(dz, x_R, 0)
+            else:
+                part = torch.empty(cols.shape[0], x_R.shape[1], dtype=target.dtype, device=dz.device)
+                _addmm_(part, dz.T, x_R, beta=0.0)
+                dW.index_add_(cols, part)
+            dW.index_add_(y, target[:, None] * x_R.to(target.dtype))
+        if db is not None:
+            sums = dz.sum(0, dtype=db.dtype)
+            if cols is None:
+                db += sums
+            else:
+                db.index_add_(0, cols, sums)
+            db.index_add_(0, y, target.to(db.dtype))
+
 
 def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False)):
     """Loss (reduced), lse [N] (fp32) and, if any of grads_now = (x, W, b) is set, those
@@ -220,8 +287,11 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
     if blocks.whole_rows:  # statistics, losses and dz in one kernel per row block
         for rs in blocks.row_blocks():
             z = blocks.logits(rs, 0, blocks.vocab)
-            blocks.rows.rows_(z, b_V, rs, lse[rs], loss[rs], grad=in_forward)
-            if in_forward:
+            f = blocks.tile_filter(rs) if in_forward else None
+            blocks.rows.rows_(z, b_V, rs, lse[rs], loss[rs], grad=in_forward, tile_filter=f)
+            if f is not None:
+                blocks.add_filtered_grads(z, rs, f, None if dx is None else dx[rs], dW, db)
+            elif in_forward:
                 blocks.add_grads(z, rs, 0, blocks.vocab, None if dx is None else dx[rs], dW, db)
     else:
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=dev)
@@ -244,6 +314,12 @@ def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_lay
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
     for rs in blocks.row_blocks():
         p_R, t_R, s_R = blocks.rows.coefficients(lse[rs], grad_loss, None if grad_lse is None else grad_lse[rs], rs)
+        f = blocks.tile_filter(rs)
+        if f is not None:
+            dz = blocks.logits(rs, 0, blocks.vocab)
+            block_grad_(dz, dz, 0, b_V, blocks.cw, blocks.y[rs], lse[rs], p_R, t_R, s_R, opts.softcap, tile_filter=f)
+            blocks.add_filtered_grads(dz, rs, f, None if dx is None else dx[rs], dW, db)
+            continue
         for v0, cols in blocks.col_blocks():
             dz = blocks.logits(rs, v0, cols)
             block_grad_(dz, dz, v0, b_V, blocks.cw, blocks.y[rs], lse[rs], p_R, t_R, s_R, opts.softcap)
@@ -254,6 +330,15 @@ def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_lay
             dx_acc.zero_()
     dz = blocks = dx_acc = None  # the logits buffer goes before dW's conversion allocates its result
     return dx, _final(dW, W), _final(db, b_V)
+
+
+def kept_columns(kept_tiles: list[int], vocab: int, device) -> torch.Tensor:
+    """The classes [A] (int64, ascending) of the kept filter tiles (FILTER_COLS classes each,
+    the last one cut at vocab)."""
+    tiles = torch.tensor(kept_tiles, dtype=torch.int64).to(device, non_blocking=True)
+    cols = (tiles[:, None] * FILTER_COLS + torch.arange(FILTER_COLS, device=device)).flatten()
+    last = kept_tiles[-1] * FILTER_COLS + FILTER_COLS - vocab if kept_tiles else 0
+    return cols[: cols.shape[0] - max(0, last)]
 
 
 def _final(acc, like):

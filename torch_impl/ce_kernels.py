@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from interop.options import CrossEntropyOptions
-from torch_impl.kernels import BLOCK_C, arg_or, row_grad, row_stats
+from torch_impl.kernels import BLOCK_C, TileFilter, arg_or, grad_block, row_grad, row_stats
 from torch_impl.rows import TargetRows
 
 BLOCK_ROWS = 1024  # rows per program of the per-row kernels
@@ -68,14 +68,16 @@ def _ce_rows_kernel(
     b_ptr, cw_ptr, cw_sum_ptr,     # [V] bias, class weights; their sum (with HAS_CW)
     y_ptr, denom_ptr,              # [R] int64 targets; the mean's denominator (with MEAN)
     lse_ptr, loss_ptr,             # [R] fp32 outputs
-    V, ignore_index, eps, z_loss, cap,
+    tiles_ptr, target_ptr,         # with FILTER: [ceil(V / BLOCK)] int32 tile flags, [R] fp32 target terms
+    V, ignore_index, eps, z_loss, cap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_LS: tl.constexpr,
-    HAS_Z: tl.constexpr, MEAN: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_Z: tl.constexpr, MEAN: tl.constexpr, GRAD: tl.constexpr, FILTER: tl.constexpr,
+    BLOCK_STATS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_zr
     y = tl.load(y_ptr + row)
-    m, l, sy, ws = row_stats(z_row, b_ptr, cw_ptr, y, V, cap, 1.0, HAS_BIAS, HAS_CW, HAS_CAP, HAS_LS, BLOCK)
+    m, l, sy, ws = row_stats(z_row, b_ptr, cw_ptr, y, V, cap, 1.0, HAS_BIAS, HAS_CW, HAS_CAP, HAS_LS, BLOCK_STATS)
     lse = m + tl.log(l)
     cw_sum = tl.load(cw_sum_ptr).to(tl.float32) if HAS_CW else V * 1.0
     valid, in_range, cw_y = _target_facts(y, cw_ptr, ignore_index, V, HAS_CW)
@@ -85,7 +87,7 @@ def _ce_rows_kernel(
         r = 1.0 / tl.load(denom_ptr) if MEAN else 1.0
         p_coef, t_coef, s_coef = _ce_coefficients(lse, r, 0.0, valid, in_range, cw_y, V, eps, z_loss, cw_sum)
         row_grad(z_row, z_row, b_ptr, cw_ptr, y, lse, p_coef, t_coef, s_coef, 0.0, 0.0, V, cap, 1.0,
-                 HAS_BIAS, HAS_CW, HAS_CAP, False, BLOCK)
+                 filter_eps, tiles_ptr, target_ptr + row, HAS_BIAS, HAS_CW, HAS_CAP, False, FILTER, BLOCK)
 
 
 @triton.jit
@@ -150,20 +152,23 @@ class RowMath:
         self.cw_sum = None if cw_V is None else cw_V.sum()
         self.denominator = valid_weight_sum(y_N, cw_V, opts.ignore_index, vocab) if opts.reduction == "mean" else None
 
-    def rows_(self, z_RV: torch.Tensor, b_V, rs: slice, lse_R: torch.Tensor, loss_R: torch.Tensor, grad: bool) -> None:
+    def rows_(self, z_RV: torch.Tensor, b_V, rs: slice, lse_R: torch.Tensor, loss_R: torch.Tensor, grad: bool,
+              tile_filter: TileFilter | None = None) -> None:
         """Whole rows rs of logits z [R, V] (no bias): write lse and the row losses [R]; with
-        `grad`, write dz for an upstream gradient of 1 of the reduced loss over z."""
+        `grad`, write dz for an upstream gradient of 1 of the reduced loss over z (filtered
+        by `tile_filter`, as `torch_impl.kernels.row_grad` says, if given)."""
         R, V = z_RV.shape
         if R == 0:
             return
-        o, y = self.opts, self.y[rs]
+        o, y, f = self.opts, self.y[rs], tile_filter
         _ce_rows_kernel[(R,)](
             z_RV, z_RV.stride(0), arg_or(b_V, z_RV), arg_or(self.cw, z_RV), arg_or(self.cw_sum, z_RV), y,
             arg_or(self.denominator, lse_R), lse_R, loss_R,
-            V, o.ignore_index, o.label_smoothing, o.z_loss, 1.0 if o.softcap is None else o.softcap,
+            *((lse_R, lse_R) if f is None else (f.tiles, f.target)),
+            V, o.ignore_index, o.label_smoothing, o.z_loss, 1.0 if o.softcap is None else o.softcap, 0.0 if f is None else f.eps,
             HAS_BIAS=b_V is not None, HAS_CW=self.cw is not None, HAS_CAP=o.softcap is not None,
-            HAS_LS=o.label_smoothing > 0, HAS_Z=o.z_loss > 0, MEAN=o.reduction == "mean", GRAD=grad,
-            BLOCK=min(BLOCK_C, triton.next_power_of_2(V)), num_warps=8,
+            HAS_LS=o.label_smoothing > 0, HAS_Z=o.z_loss > 0, MEAN=o.reduction == "mean", GRAD=grad, FILTER=f is not None,
+            BLOCK_STATS=min(BLOCK_C, triton.next_power_of_2(V)), BLOCK=grad_block(V, f), num_warps=8,
         )
 
     def losses_(self, m_R, l_R, sy_R, ws_R, rs: slice, lse_R, loss_R) -> None:

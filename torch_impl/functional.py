@@ -7,7 +7,7 @@ import os
 import torch
 
 from interop.blocking import speed_extra_bytes
-from interop.options import CrossEntropyOptions, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
+from interop.options import CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
 from torch_impl.chunked import ChunkedLinearCrossEntropy
 
 try:
@@ -67,6 +67,7 @@ def linear_cross_entropy(
     weight_layout: str = "VD",
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
+    filter_eps: float | None = None,
 ):
     """Cross-entropy of ``input @ linear_weight.T + linear_bias`` without the N x V logits.
 
@@ -91,6 +92,12 @@ def linear_cross_entropy(
         strategy: "auto", "speed", "memory" or "chunked" (interop.options.check_strategy).
         accumulate_in_input_dtype: accumulate grad_weight in the input dtype rather than
             fp32 ("speed": saves V*D*4 bytes, costs accuracy).
+        filter_eps: gradient filtering, off (None) by default (interop.options.
+            check_filter_eps). The kernels drop, per block of whole rows, each tile of
+            512 classes whose every entry of dz lies below filter_eps x the row's scale
+            (for plain cross-entropy: p_ij < filter_eps) and skip its matrix products;
+            the targets' terms stay exact. 2**-12 is a common choice for bf16. Blocks of
+            partial rows ("memory" at a large V) and "chunked" compute every entry.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
@@ -105,6 +112,7 @@ def linear_cross_entropy(
         linear_bias = None if linear_bias is None else linear_bias.to(dtype)
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
     check_strategy(strategy)
+    filter_eps = check_filter_eps(filter_eps)
     shape = check_inputs(
         input_shape=tuple(input.shape),
         input_dtype=dtype_name(input.dtype),
@@ -128,7 +136,8 @@ def linear_cross_entropy(
             default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype,
         )
     else:
-        plan = blocked.plan_blocks(strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype)
+        plan = blocked.plan_blocks(strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
+                                   filter_eps)
         loss, lse_N = KernelLinearCrossEntropy.apply(
             x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse
         )

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 BLOCK_C = 2048
+FILTER_COLS = 512  # columns per tile of gradient filtering
 
 
 @triton.jit
@@ -96,24 +97,40 @@ def _block_stats_kernel(
 
 @triton.jit
 def row_grad(z_row_ptr, dz_row_ptr, b_ptr, cw_ptr, y, lse, p_coef, t_coef, s_coef, p2_coef, lse2, C, cap, scale,
-              HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_P2: tl.constexpr,
-              BLOCK: tl.constexpr):
+             filter_eps, tiles_ptr, target_ptr,
+             HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_P2: tl.constexpr,
+             FILTER: tl.constexpr, BLOCK: tl.constexpr):
     """Write one row's dz = (P exp(scale s - lse) [+ P2 exp(s - lse2)] - T [j == y] - S cw_j)
-    * softcap'(z) over its C columns; b_ptr and cw_ptr point at the row's first column."""
+    * softcap'(z) over its C columns; b_ptr and cw_ptr point at the row's first column.
+
+    FILTER (gradient filtering): the target's term -T softcap'(z_y) is left out of dz and
+    stored at target_ptr (when y lies in [0, C)); tiles_ptr[t] is set to 1 for each tile t of
+    BLOCK columns holding an entry above filter_eps * max(|P|, |T|) in magnitude."""
+    if FILTER:
+        threshold = filter_eps * tl.maximum(tl.abs(p_coef), tl.abs(t_coef))
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
         s = _capped_logits(z_row_ptr + offs, b_ptr, offs, mask, cap, HAS_BIAS, HAS_CAP)
-        dz = p_coef * tl.exp(s * scale - lse) - tl.where(offs == y, t_coef, 0.0)
+        dz = p_coef * tl.exp(s * scale - lse)
+        if not FILTER:
+            dz -= tl.where(offs == y, t_coef, 0.0)
         if HAS_P2:
             dz += p2_coef * tl.exp(s - lse2)
         if HAS_CW:
             dz -= s_coef * tl.load(cw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             dz -= s_coef
+        cap_grad = 1.0
         if HAS_CAP:
             t = s / cap
-            dz *= 1.0 - t * t
+            cap_grad = 1.0 - t * t
+            dz *= cap_grad
+        if FILTER:
+            at_y = offs == y
+            tl.store(target_ptr, -t_coef * tl.sum(tl.where(at_y, cap_grad, 0.0), axis=0),
+                     mask=tl.sum(at_y.to(tl.int32), axis=0) > 0)
+            tl.store(tiles_ptr + c0 // BLOCK, 1, mask=tl.max(tl.where(mask, tl.abs(dz), 0.0), axis=0) > threshold)
         tl.store(dz_row_ptr + offs, dz.to(dz_row_ptr.dtype.element_ty), mask=mask)
 
 
@@ -125,9 +142,10 @@ def _block_grad_kernel(
     y_ptr, lse_ptr,              # [R] int64 target (any value), fp32 lse of scale * s
     p_ptr, t_ptr, s_ptr,         # [R] fp32 coefficients: dz = P p - T [j == y] - S cw_j
     p2_ptr, lse2_ptr,            # [R] fp32, with HAS_P2: dz += P2 exp(s - lse2)
-    C, v0, cap, scale,           # p = exp(scale * s - lse)
+    tiles_ptr, target_ptr,       # with FILTER: [ceil(C / BLOCK)] int32 tile flags, [R] fp32 target terms
+    C, v0, cap, scale, filter_eps,  # p = exp(scale * s - lse)
     HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_P2: tl.constexpr,
-    BLOCK: tl.constexpr,
+    FILTER: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     p2_coef, lse2 = 0.0, 0.0
@@ -135,8 +153,9 @@ def _block_grad_kernel(
         p2_coef = tl.load(p2_ptr + row)
         lse2 = tl.load(lse2_ptr + row)
     row_grad(z_ptr + row * stride_zr, dz_ptr + row * stride_dr, b_ptr + v0, cw_ptr + v0, tl.load(y_ptr + row) - v0,
-              tl.load(lse_ptr + row), tl.load(p_ptr + row), tl.load(t_ptr + row), tl.load(s_ptr + row), p2_coef, lse2,
-              C, cap, scale, HAS_BIAS, HAS_CW, HAS_CAP, HAS_P2, BLOCK)
+             tl.load(lse_ptr + row), tl.load(p_ptr + row), tl.load(t_ptr + row), tl.load(s_ptr + row), p2_coef, lse2,
+             C, cap, scale, filter_eps, tiles_ptr, target_ptr + row,
+             HAS_BIAS, HAS_CW, HAS_CAP, HAS_P2, FILTER, BLOCK)
 
 
 def arg_or(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -178,22 +197,41 @@ def block_stats_(z_RC, v0: int, b_V, cw_V, y_R, m_R, l_R, sy_R, ws_R, softcap, n
 
 
 def block_grad_(z_RC, dz_RC, v0: int, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, scale: float = 1.0,
-                second=None) -> None:
+                second=None, tile_filter=None) -> None:
     """Write dz [R, C] for logits block z [R, C] (columns v0..v0+C); dz may be z itself.
 
     dz = (P exp(scale s - lse) [+ P2 exp(s - lse2)] - T [j == y] - S cw_j) * softcap'(z),
-    with second = (P2, lse2), fp32 [R] each, or None.
+    with second = (P2, lse2), fp32 [R] each, or None. tile_filter: a `TileFilter` for
+    gradient filtering (the target term goes to its `target`, not into dz), or None.
     """
     R, C = z_RC.shape
     if R == 0:
         return
     p2_R, lse2_R = (lse_R, lse_R) if second is None else second
+    f = tile_filter
     _block_grad_kernel[(R,)](
         z_RC, z_RC.stride(0), dz_RC, dz_RC.stride(0), arg_or(b_V, z_RC), arg_or(cw_V, z_RC),
-        y_R, lse_R, p_R, t_R, s_R, p2_R, lse2_R, C, v0, 1.0 if softcap is None else float(softcap), float(scale),
+        y_R, lse_R, p_R, t_R, s_R, p2_R, lse2_R, *((lse_R, lse_R) if f is None else (f.tiles, f.target)),
+        C, v0, 1.0 if softcap is None else float(softcap), float(scale), 0.0 if f is None else f.eps,
         HAS_BIAS=b_V is not None, HAS_CW=cw_V is not None, HAS_CAP=softcap is not None, HAS_P2=second is not None,
-        BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
+        FILTER=f is not None, BLOCK=grad_block(C, f), num_warps=8,
     )
+
+
+def grad_block(C: int, tile_filter) -> int:
+    """Columns per step of `row_grad`: the filter's tile width when filtering."""
+    return FILTER_COLS if tile_filter is not None else min(BLOCK_C, triton.next_power_of_2(C))
+
+
+class TileFilter:
+    """Gradient filtering over one block of whole rows [R, C]: `tiles` [ceil(C / FILTER_COLS)]
+    int32 flags (1: some entry of that column tile is kept), `target` [R] fp32 target terms
+    -T softcap'(z_y) (0 where the target is not a column of the block), threshold `eps`."""
+
+    def __init__(self, eps: float, rows: int, cols: int, device):
+        self.eps = float(eps)
+        self.tiles = torch.zeros(triton.cdiv(cols, FILTER_COLS), dtype=torch.int32, device=device)
+        self.target = torch.zeros(rows, dtype=torch.float32, device=device)
 
 
 def put_entries_(dz_RC, v0: int, ids_RK, values_RK) -> None:
