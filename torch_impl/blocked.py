@@ -244,7 +244,8 @@ class _Blocks(HeadBlocks):
         vocab = self.vocab
         kept = f.tiles.nonzero().squeeze(1).tolist()
         if len(kept) > GATHER_SHARE * f.tiles.shape[0]:
-            dz.mul_(f.tiles.repeat_interleave(FILTER_COLS)[:vocab].to(dz.dtype))
+            if len(kept) < f.tiles.shape[0]:
+                dz.mul_(f.tiles.repeat_interleave(FILTER_COLS)[:vocab].to(dz.dtype))
             cols, W_A = None, self.head_cols(0, vocab)
         else:
             cols = kept_columns(kept, vocab, dz.device)

@@ -108,6 +108,12 @@ def row_grad(z_row_ptr, dz_row_ptr, b_ptr, cw_ptr, y, lse, p_coef, t_coef, s_coe
     BLOCK columns holding an entry above filter_eps * max(|P|, |T|) in magnitude."""
     if FILTER:
         threshold = filter_eps * tl.maximum(tl.abs(p_coef), tl.abs(t_coef))
+        y_in = (y >= 0) & (y < C)
+        if HAS_CAP:  # softcap'(z_y), from the target's one logit
+            s_y = _capped_logits(z_row_ptr + tl.where(y_in, y, 0), b_ptr, tl.where(y_in, y, 0), y_in, cap, HAS_BIAS, HAS_CAP)
+            tl.store(target_ptr, -t_coef * (1.0 - (s_y / cap) * (s_y / cap)), mask=y_in)
+        else:
+            tl.store(target_ptr, -t_coef, mask=y_in)
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
@@ -121,15 +127,10 @@ def row_grad(z_row_ptr, dz_row_ptr, b_ptr, cw_ptr, y, lse, p_coef, t_coef, s_coe
             dz -= s_coef * tl.load(cw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             dz -= s_coef
-        cap_grad = 1.0
         if HAS_CAP:
             t = s / cap
-            cap_grad = 1.0 - t * t
-            dz *= cap_grad
+            dz *= 1.0 - t * t
         if FILTER:
-            at_y = offs == y
-            tl.store(target_ptr, -t_coef * tl.sum(tl.where(at_y, cap_grad, 0.0), axis=0),
-                     mask=tl.sum(at_y.to(tl.int32), axis=0) > 0)
             tl.store(tiles_ptr + c0 // BLOCK, 1, mask=tl.max(tl.where(mask, tl.abs(dz), 0.0), axis=0) > threshold)
         tl.store(dz_row_ptr + offs, dz.to(dz_row_ptr.dtype.element_ty), mask=mask)
 
