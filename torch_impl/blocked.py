@@ -224,12 +224,13 @@ class HeadBlocks:
 class _Blocks(HeadBlocks):
     """A cross-entropy call: the head's blocks plus the per-row math of its targets and options."""
 
-    def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan):
+    def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan,
+                 denominator=None):
         super().__init__(x_ND, W, b_V, weight_layout, plan)
         self.opts = opts
         self.cw = None if cw_V is None else cw_V.float()
         self.y = y_N.to(torch.int64)
-        self.rows = RowMath(self.y, self.cw, opts, self.vocab)
+        self.rows = RowMath(self.y, self.cw, opts, self.vocab, denominator)
 
     def tile_filter(self, rs: slice) -> TileFilter | None:
         """A fresh TileFilter for the whole rows rs when the plan filters, else None."""
@@ -276,10 +277,12 @@ class _Blocks(HeadBlocks):
             db.index_add_(0, y, target.to(db.dtype))
 
 
-def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False)):
+def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False),
+            denominator=None):
     """Loss (reduced), lse [N] (fp32) and, if any of grads_now = (x, W, b) is set, those
-    gradients for an upstream gradient of 1 (else None): (loss, lse, dx, dW, db)."""
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan)
+    gradients for an upstream gradient of 1 (else None): (loss, lse, dx, dW, db).
+    denominator: the mean's (ce_kernels.check_targets), or None to compute it here."""
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, denominator)
     n, dev = x_ND.shape[0], x_ND.device
     lse, loss = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
     in_forward = any(grads_now)
@@ -307,9 +310,10 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
     return loss, lse, dx, _final(dW, W), _final(db, b_V)
 
 
-def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True)):
+def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True),
+             denominator=None):
     """(dx, dW, db) by recomputing the logits block by block; None for what is not needed."""
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan)
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, denominator)
     if grad_loss is None:
         grad_loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need)

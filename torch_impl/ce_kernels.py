@@ -9,7 +9,8 @@ preset those launches, not the GPU, set the time).
 
 Targets are int64 and may be anything: ignore_index, out of range (NaN loss and P), or a
 class. The row math is fp32. `mean` divides by `denominator`, a device scalar
-(`valid_weight_sum`), so that no value has to come back to the host.
+(`check_targets`, which also counts bad targets), so that no value has to come back to the
+host before the work is queued.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import triton.language as tl
 
 from interop.options import CrossEntropyOptions
 from torch_impl.kernels import BLOCK_C, TileFilter, arg_or, grad_block, row_grad, row_stats
-from torch_impl.rows import TargetRows
 
 BLOCK_ROWS = 1024  # rows per program of the per-row kernels
 
@@ -135,22 +135,42 @@ def _ce_coefficients_kernel(
     tl.store(s_ptr + rows, s_coef, mask=mask)
 
 
-def valid_weight_sum(y_N: torch.Tensor, cw_V, ignore_index: int, vocab: int) -> torch.Tensor:
-    """The mean's denominator, sum over rows not ignored of cw[y] (their count without class
-    weights): a 0-d fp32 device tensor."""
-    if cw_V is None:
-        return (y_N != ignore_index).sum(dtype=torch.float32)
-    return TargetRows(y_N, cw_V, vocab, ignore_index, torch.float32).cw_y.sum()
+@triton.jit
+def _target_check_kernel(y_ptr, cw_ptr, out_ptr, N, vocab, ignore_index, HAS_CW: tl.constexpr, BLOCK: tl.constexpr):
+    # One program, rows in a fixed order (a deterministic sum): out = [bad targets, sum cw_y].
+    bad = tl.zeros([BLOCK], tl.float32)
+    weight = tl.zeros([BLOCK], tl.float32)
+    for r0 in range(0, N, BLOCK):
+        rows = r0 + tl.arange(0, BLOCK)
+        y = tl.load(y_ptr + rows, mask=rows < N, other=ignore_index).to(tl.int64)
+        valid, in_range, cw_y = _target_facts(y, cw_ptr, ignore_index, vocab, HAS_CW)
+        bad += (valid & (in_range == 0)).to(tl.float32)
+        weight += cw_y
+    tl.store(out_ptr, tl.sum(bad, axis=0))
+    tl.store(out_ptr + 1, tl.sum(weight, axis=0))
+
+
+def check_targets(y_N: torch.Tensor, cw_V, ignore_index: int, vocab: int) -> torch.Tensor:
+    """[2] fp32 on y's device: the number of targets outside [0, V) that are not ignore_index,
+    and the mean's denominator, sum over rows not ignored of cw[y] (their count without class
+    weights), in one launch that leaves both on the device."""
+    out = torch.empty(2, dtype=torch.float32, device=y_N.device)
+    _target_check_kernel[(1,)](y_N, arg_or(cw_V, out), out, y_N.shape[0], vocab, ignore_index,
+                               HAS_CW=cw_V is not None, BLOCK=4096, num_warps=8)
+    return out
 
 
 class RowMath:
     """The options and per-call tensors the per-row kernels share: targets y [N] (int64),
-    class weights cw [V] (fp32) or None and their sum, the mean's denominator (0-d fp32)."""
+    class weights cw [V] (fp32) or None and their sum, the mean's denominator (0-d fp32;
+    `check_targets` gives it when not passed)."""
 
-    def __init__(self, y_N: torch.Tensor, cw_V, opts: CrossEntropyOptions, vocab: int):
+    def __init__(self, y_N: torch.Tensor, cw_V, opts: CrossEntropyOptions, vocab: int, denominator=None):
         self.y, self.cw, self.opts, self.vocab = y_N, cw_V, opts, vocab
         self.cw_sum = None if cw_V is None else cw_V.sum()
-        self.denominator = valid_weight_sum(y_N, cw_V, opts.ignore_index, vocab) if opts.reduction == "mean" else None
+        if opts.reduction == "mean" and denominator is None:
+            denominator = check_targets(y_N, cw_V, opts.ignore_index, vocab)[1]
+        self.denominator = denominator if opts.reduction == "mean" else None
 
     def rows_(self, z_RV: torch.Tensor, b_V, rs: slice, lse_R: torch.Tensor, loss_R: torch.Tensor, grad: bool,
               tile_filter: TileFilter | None = None) -> None:

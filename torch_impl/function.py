@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from torch_impl import blocked
+from torch_impl.kernels import scale_
 
 
 class KernelLinearCrossEntropy(torch.autograd.Function):
@@ -16,34 +17,35 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_ND, W, b_V, cw_V, y_N, opts, weight_layout: str, plan: blocked.BlockPlan, return_lse: bool):
+    def forward(ctx, x_ND, W, b_V, cw_V, y_N, opts, weight_layout: str, plan: blocked.BlockPlan, return_lse: bool,
+                denominator=None):
         need = ctx.needs_input_grad[:3]
         in_forward = any(need) and plan.strategy == "speed" and opts.reduction != "none" and not return_lse
         loss, lse, dx, dW, db = blocked.forward(
-            x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, need if in_forward else (False, False, False)
+            x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, need if in_forward else (False, False, False), denominator
         )
         ctx.in_forward = in_forward
         ctx.opts, ctx.weight_layout, ctx.plan = opts, weight_layout, plan
         if in_forward:
             ctx.grads = (dx, dW, db)
         else:
-            ctx.save_for_backward(x_ND, W, b_V, cw_V, y_N, lse)
+            ctx.save_for_backward(x_ND, W, b_V, cw_V, y_N, lse, denominator)
         ctx.set_materialize_grads(False)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        none = (None,) * 6
+        none = (None,) * 7
         if grad_loss is None and grad_lse is None:
             return (None, None, None) + none
         if ctx.in_forward:
             grads, ctx.grads = ctx.grads, None
             if grad_loss is None:
                 return tuple(None if g is None else torch.zeros_like(g) for g in grads) + none
-            return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
-        x_ND, W, b_V, cw_V, y_N, lse = ctx.saved_tensors
+            return tuple(None if g is None else scale_(g, grad_loss) for g in grads) + none
+        x_ND, W, b_V, cw_V, y_N, lse, denominator = ctx.saved_tensors
         grads = blocked.backward(
             grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, ctx.opts, ctx.weight_layout, ctx.plan,
-            ctx.needs_input_grad[:3],
+            ctx.needs_input_grad[:3], denominator,
         )
         return tuple(grads) + none

@@ -12,6 +12,7 @@ from torch_impl.chunked import ChunkedLinearCrossEntropy
 
 try:
     from torch_impl import blocked
+    from torch_impl.ce_kernels import check_targets
     from torch_impl.function import KernelLinearCrossEntropy
 except ImportError:  # no Triton: the chunked path serves every call
     blocked = None
@@ -128,19 +129,26 @@ def linear_cross_entropy(
     )
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     y_N = target.reshape(shape.n_rows)
-    _check_target_range(y_N, shape.vocab, opts.ignore_index)
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab)
     if strategy == "chunked":
+        _check_target_range(y_N, shape.vocab, opts.ignore_index)
         loss, lse_N = ChunkedLinearCrossEntropy.apply(
             x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout,
             default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype,
         )
     else:
+        # The kernels read out-of-range targets safely (NaN rows), so the work is queued first
+        # and the host waits for the bad-target count only then: the GPU does not idle while
+        # this call's Python runs.
+        y_N = y_N.to(torch.int64)
+        checked = check_targets(y_N, weight, opts.ignore_index, shape.vocab)
         plan = blocked.plan_blocks(strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
                                    filter_eps)
         loss, lse_N = KernelLinearCrossEntropy.apply(
-            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse
+            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, checked[1]
         )
+        if checked[0].item():
+            _check_target_range(y_N, shape.vocab, opts.ignore_index)
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)
     if return_lse:

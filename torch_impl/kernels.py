@@ -159,6 +159,25 @@ def _block_grad_kernel(
              HAS_BIAS, HAS_CW, HAS_CAP, HAS_P2, FILTER, BLOCK)
 
 
+@triton.jit
+def _scale_kernel(t_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:  # the usual upstream gradient of a loss: nothing to read or write
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        t = tl.load(t_ptr + offs, mask=mask)
+        tl.store(t_ptr + offs, (t.to(tl.float32) * g).to(t_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """t *= g in place, in fp32 (g: a 0-d device tensor); when g == 1 the kernel returns
+    without touching t (a dense grad_weight is 2 V D bytes to read and write). Returns t."""
+    if not t.is_contiguous():
+        return t.mul_(g.to(t.dtype))
+    _scale_kernel[(triton.cdiv(t.numel(), 4096),)](t, g, t.numel(), BLOCK=4096, num_warps=8)
+    return t
+
+
 def arg_or(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """t, or `like` standing in for an optional pointer argument the kernel will not read."""
     return like if t is None else t
