@@ -21,17 +21,21 @@ def _round_down(n: int, multiple: int) -> int:
     return max(multiple, n // multiple * multiple)
 
 
-def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int, buffers: int = 1) -> tuple[int, int]:
+def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int, buffers: int = 1,
+                gathered_rows: bool = False) -> tuple[int, int]:
     """(rows, cols) per block for "speed" or "memory"; itemsize: bytes of the input dtype;
     buffers: logits buffers of that shape held at once (2 for a dense teacher's and the
-    student's), which share "memory"'s budget. "speed" keeps its rows: halving them for the
-    dense teacher saved 0.4-0.5 x the floor but cost 7% (L) to 23% (G) of the time (H100)."""
+    student's), which share "memory"'s budget; gathered_rows: each row block's inputs are
+    a copy (rows gathered from a larger input), which shares it too. "speed" keeps its
+    rows: halving them for the dense teacher saved 0.4-0.5 x the floor but cost 7% (L) to
+    23% (G) of the time (H100)."""
     if strategy == "speed":
         rows = _round_down(SPEED_BLOCK_ELEMENTS // vocab, MIN_BLOCK)
         return max(1, min(n_rows, rows)), vocab
     budget = MEMORY_FRACTION * (n_rows + vocab) * hidden * itemsize
     min_rows, min_cols = (max(MIN_BLOCK, m) for m in MIN_MEMORY_BLOCK)
-    rows = max(min_rows, _round_down(int(budget / 2 / (hidden * 4)), MIN_BLOCK))
+    row_bytes = hidden * (4 + (itemsize if gathered_rows else 0))  # the fp32 grad_input accumulator (+ the copy)
+    rows = max(min_rows, _round_down(int(budget / 2 / row_bytes), MIN_BLOCK))
     rows = max(1, min(n_rows, rows))
     cols = min(vocab, max(min_cols, _round_down(int(budget / 2 / (rows * itemsize * buffers)), MIN_BLOCK)))
     return rows, cols

@@ -45,10 +45,11 @@ class BlockPlan:
 
 
 def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool,
-                filter_eps: float | None = None) -> BlockPlan:
-    """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory"."""
+                filter_eps: float | None = None, gathered_rows: bool = False) -> BlockPlan:
+    """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
+    n_rows: the rows computed; gathered_rows: they are gathered from x (HeadBlocks.active)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize)
+    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows)
     if strategy == "speed":
         return BlockPlan("speed", rows, cols, dtype if accumulate_in_input_dtype else torch.float32, filter_eps)
     return BlockPlan("memory", rows, cols, dtype, filter_eps)
@@ -151,19 +152,71 @@ class HeadBlocks:
     """One linear head's operands cut into blocks: x [N, D], W ([V, D] "VD" or [D, V] "DV"),
     bias [V] or None, the plan, and one reused logits buffer. `vocab` may be smaller than
     W's (the first `vocab` classes); `logits_dtype` other than x's (the fallback's fp32)
-    computes each block in x's dtype and converts it."""
+    computes each block in x's dtype and converts it.
 
-    def __init__(self, x_ND, W, b_V, weight_layout: str, plan: BlockPlan, vocab: int | None = None, logits_dtype=None):
+    `active` (int64 [A], ascending) restricts the work to those rows of x (the others get
+    no logits and a zero grad_input): row blocks are then slices of `active`, whose x rows
+    are gathered block by block and whose grad_input rows are scattered back."""
+
+    def __init__(self, x_ND, W, b_V, weight_layout: str, plan: BlockPlan, vocab: int | None = None, logits_dtype=None,
+                 active=None):
         self.x, self.W, self.b, self.layout, self.plan = x_ND, W, b_V, weight_layout, plan
         self.vocab = (W.shape[0] if weight_layout == "VD" else W.shape[1]) if vocab is None else vocab
         self.logits_dtype = x_ND.dtype if logits_dtype is None else logits_dtype
-        n = min(plan.block_rows, x_ND.shape[0]) * min(plan.block_cols, self.vocab)
+        self.active = active
+        self.n_rows = x_ND.shape[0] if active is None else active.shape[0]
+        self._gathered = (None, None)  # (row block, its gathered x rows): logits and dW use the same block
+        n = min(plan.block_rows, self.n_rows) * min(plan.block_cols, self.vocab)
         self.buffer = torch.empty(n if self.logits_dtype == x_ND.dtype else 0, dtype=x_ND.dtype, device=x_ND.device)
 
     def row_blocks(self):
-        n = self.x.shape[0]
-        for r0 in range(0, n, self.plan.block_rows):
-            yield slice(r0, min(r0 + self.plan.block_rows, n))
+        """Slices of the computed rows (of x's rows, or of `active`), plan.block_rows each."""
+        for r0 in range(0, self.n_rows, self.plan.block_rows):
+            yield slice(r0, min(r0 + self.plan.block_rows, self.n_rows))
+
+    def x_rows(self, rs: slice) -> torch.Tensor:
+        """x's rows of row block rs, [R, D] (a view, or gathered from `active`)."""
+        if self.active is None:
+            return self.x[rs]
+        if self._gathered[0] != rs:
+            self._gathered = (rs, self.x.index_select(0, self.active[rs]))
+        return self._gathered[1]
+
+    def dx_rows(self, dx_ND: torch.Tensor, rs: slice) -> torch.Tensor:
+        """Where row block rs's grad_input [R, D] is written: a view of dx, or (with `active`)
+        a new block for `scatter_dx_rows`."""
+        if self.active is None:
+            return dx_ND[rs]
+        return torch.empty(rs.stop - rs.start, dx_ND.shape[1], dtype=dx_ND.dtype, device=dx_ND.device)
+
+    def scatter_dx_rows(self, dx_ND: torch.Tensor, rs: slice, dx_RD: torch.Tensor) -> None:
+        """Store the block `dx_rows` gave for rs in dx (nothing to do for a view)."""
+        if self.active is not None:
+            dx_ND.index_copy_(0, self.active[rs], dx_RD)
+
+    def put_dx_rows(self, dx_ND: torch.Tensor, rs: slice, src_RD: torch.Tensor) -> None:
+        """dx's rows of row block rs = src_RD [R, D] (an accumulator of any float dtype). With
+        `active`, the conversion to dx's dtype goes through the logits buffer when it is
+        large enough: call this between blocks, when the buffer is free."""
+        if self.active is None:
+            dx_ND[rs] = src_RD
+            return
+        R, D = src_RD.shape
+        if self.buffer.dtype == dx_ND.dtype and self.buffer.numel() >= R * D:
+            block = self.buffer[: R * D].view(R, D).copy_(src_RD)
+        else:
+            block = src_RD.to(dx_ND.dtype)
+        dx_ND.index_copy_(0, self.active[rs], block)
+
+    def all_rows(self, t_A: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor over the computed rows [A] as one over all rows [N] (0 elsewhere)."""
+        if self.active is None:
+            return t_A
+        return t_A.new_zeros(self.x.shape[0]).index_copy_(0, self.active, t_A)
+
+    def active_rows(self, t_N: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor over all rows [N] restricted to the computed rows [A]."""
+        return t_N if self.active is None else t_N.index_select(0, self.active)
 
     def col_blocks(self):
         for v0 in range(0, self.vocab, self.plan.block_cols):
@@ -183,7 +236,7 @@ class HeadBlocks:
 
     def logits(self, rs: slice, v0: int, cols: int) -> torch.Tensor:
         """z [R, cols] = x[rs] @ W[v0:v0+cols].T (no bias), in the reused buffer."""
-        x_R = self.x[rs]
+        x_R = self.x_rows(rs)
         if self.logits_dtype != x_R.dtype:
             return (x_R @ self.head_cols(v0, cols).T).to(self.logits_dtype)
         z = self.buffer[: x_R.shape[0] * cols].view(x_R.shape[0], cols)
@@ -200,7 +253,7 @@ class HeadBlocks:
             else:
                 torch.mm(dz_in, W_c, out=dx_out)
         if dW is not None:
-            dW.add_(dz, self.x[rs].to(dz.dtype), v0)
+            dW.add_(dz, self.x_rows(rs).to(dz.dtype), v0)
         if db is not None:
             db[v0 : v0 + cols] += dz.sum(0, dtype=db.dtype)
 
@@ -210,12 +263,12 @@ class HeadBlocks:
         inputs). Filtering adds dW in parts: it keeps the plan's accumulator."""
         x, W = self.x, self.W
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        dx = torch.empty_like(x) if need_x else None
-        dx_acc = torch.zeros(min(self.plan.block_rows, x.shape[0]), x.shape[1], dtype=wide, device=x.device) \
+        dx = (torch.empty_like(x) if self.active is None else torch.zeros_like(x)) if need_x else None
+        dx_acc = torch.zeros(min(self.plan.block_rows, self.n_rows), x.shape[1], dtype=wide, device=x.device) \
             if need_x and not self.whole_rows else None
         # One row block: each element of dW is one product, accumulated in fp32 by cuBLAS
         # and written once in W's dtype, as exact as a wider accumulator and without it.
-        one_product = x.shape[0] <= self.plan.block_rows and self.logits_dtype == W.dtype and self.plan.filter_eps is None
+        one_product = self.n_rows <= self.plan.block_rows and self.logits_dtype == W.dtype and self.plan.filter_eps is None
         dW = WeightGrad(W, self.layout, W.dtype if one_product else self.plan.accumulate_dtype) if need_W else None
         db = torch.zeros(W.shape[0] if self.layout == "VD" else W.shape[1], dtype=wide, device=W.device) if need_b else None
         return dx, dx_acc, dW, db
@@ -225,11 +278,11 @@ class _Blocks(HeadBlocks):
     """A cross-entropy call: the head's blocks plus the per-row math of its targets and options."""
 
     def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan,
-                 denominator=None):
-        super().__init__(x_ND, W, b_V, weight_layout, plan)
+                 denominator=None, active=None):
+        super().__init__(x_ND, W, b_V, weight_layout, plan, active=active)
         self.opts = opts
         self.cw = None if cw_V is None else cw_V.float()
-        self.y = y_N.to(torch.int64)
+        self.y = self.active_rows(y_N.to(torch.int64))
         self.rows = RowMath(self.y, self.cw, opts, self.vocab, denominator)
 
     def tile_filter(self, rs: slice) -> TileFilter | None:
@@ -259,7 +312,7 @@ class _Blocks(HeadBlocks):
             _addmm_(acc, dz, W_A, beta=0.0)
             acc.addcmul_(target[:, None], self.head_rows(y).to(acc.dtype))
             dx_out.copy_(acc)
-        x_R = self.x[rs]
+        x_R = self.x_rows(rs)
         if dW is not None:
             if cols is None:
                 dW.add_(dz, x_R, 0)
@@ -278,12 +331,13 @@ class _Blocks(HeadBlocks):
 
 
 def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False),
-            denominator=None):
-    """Loss (reduced), lse [N] (fp32) and, if any of grads_now = (x, W, b) is set, those
-    gradients for an upstream gradient of 1 (else None): (loss, lse, dx, dW, db).
-    denominator: the mean's (ce_kernels.check_targets), or None to compute it here."""
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, denominator)
-    n, dev = x_ND.shape[0], x_ND.device
+            denominator=None, active=None):
+    """Loss (reduced, or [N] for "none"), lse (fp32, [N], or [A] over `active`) and, if any of
+    grads_now = (x, W, b) is set, those gradients for an upstream gradient of 1 (else None):
+    (loss, lse, dx, dW, db). denominator: the mean's (ce_kernels.check_targets), or None to
+    compute it here. active: int64 [A], the only rows computed (HeadBlocks), or None."""
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, denominator, active)
+    n, dev = blocks.n_rows, x_ND.device
     lse, loss = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
     in_forward = any(grads_now)
     assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
@@ -293,10 +347,13 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
             z = blocks.logits(rs, 0, blocks.vocab)
             f = blocks.tile_filter(rs) if in_forward else None
             blocks.rows.rows_(z, b_V, rs, lse[rs], loss[rs], grad=in_forward, tile_filter=f)
+            dx_R = None if dx is None else blocks.dx_rows(dx, rs)
             if f is not None:
-                blocks.add_filtered_grads(z, rs, f, None if dx is None else dx[rs], dW, db)
+                blocks.add_filtered_grads(z, rs, f, dx_R, dW, db)
             elif in_forward:
-                blocks.add_grads(z, rs, 0, blocks.vocab, None if dx is None else dx[rs], dW, db)
+                blocks.add_grads(z, rs, 0, blocks.vocab, dx_R, dW, db)
+            if dx_R is not None:
+                blocks.scatter_dx_rows(dx, rs, dx_R)
     else:
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=dev)
         l, sy, ws = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
@@ -305,34 +362,42 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
                 block_stats_(blocks.logits(rs, v0, cols), v0, b_V, blocks.cw, blocks.y[rs], m[rs], l[rs], sy[rs], ws[rs],
                              opts.softcap, opts.label_smoothing > 0)
             blocks.rows.losses_(m[rs], l[rs], sy[rs], ws[rs], rs, lse[rs], loss[rs])
-    loss = blocks.rows.reduce(loss)
+    loss = blocks.rows.reduce(blocks.all_rows(loss) if opts.reduction == "none" else loss)
     z = blocks = None  # the logits buffer goes before dW's conversion allocates its result
     return loss, lse, dx, _final(dW, W), _final(db, b_V)
 
 
 def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True),
-             denominator=None):
-    """(dx, dW, db) by recomputing the logits block by block; None for what is not needed."""
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, denominator)
+             denominator=None, active=None):
+    """(dx, dW, db) by recomputing the logits block by block; None for what is not needed.
+    grad_loss: 0-d, or [N] for "none"; grad_lse [N] or None; lse as `forward` gave it."""
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, denominator, active)
     if grad_loss is None:
         grad_loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
+    elif grad_loss.ndim:
+        grad_loss = blocks.active_rows(grad_loss)
+    if grad_lse is not None:
+        grad_lse = blocks.active_rows(grad_lse)
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
     for rs in blocks.row_blocks():
         p_R, t_R, s_R = blocks.rows.coefficients(lse[rs], grad_loss, None if grad_lse is None else grad_lse[rs], rs)
         f = blocks.tile_filter(rs)
+        dx_R = None if dx is None or dx_acc is not None else blocks.dx_rows(dx, rs)
         if f is not None:
             dz = blocks.logits(rs, 0, blocks.vocab)
             block_grad_(dz, dz, 0, b_V, blocks.cw, blocks.y[rs], lse[rs], p_R, t_R, s_R, opts.softcap, tile_filter=f)
-            blocks.add_filtered_grads(dz, rs, f, None if dx is None else dx[rs], dW, db)
-            continue
-        for v0, cols in blocks.col_blocks():
-            dz = blocks.logits(rs, v0, cols)
-            block_grad_(dz, dz, v0, b_V, blocks.cw, blocks.y[rs], lse[rs], p_R, t_R, s_R, opts.softcap)
-            dx_out = None if dx is None else (dx[rs] if dx_acc is None else dx_acc[: rs.stop - rs.start])
-            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
-        if dx_acc is not None:
-            dx[rs] = dx_acc[: rs.stop - rs.start]
-            dx_acc.zero_()
+            blocks.add_filtered_grads(dz, rs, f, dx_R, dW, db)
+        else:
+            for v0, cols in blocks.col_blocks():
+                dz = blocks.logits(rs, v0, cols)
+                block_grad_(dz, dz, v0, b_V, blocks.cw, blocks.y[rs], lse[rs], p_R, t_R, s_R, opts.softcap)
+                dx_out = dx_R if dx_acc is None else dx_acc[: rs.stop - rs.start]
+                blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+            if dx_acc is not None:
+                blocks.put_dx_rows(dx, rs, dx_acc[: rs.stop - rs.start])
+                dx_acc.zero_()
+        if dx_R is not None:
+            blocks.scatter_dx_rows(dx, rs, dx_R)
     dz = blocks = dx_acc = None  # the logits buffer goes before dW's conversion allocates its result
     return dx, _final(dW, W), _final(db, b_V)
 

@@ -9,7 +9,8 @@ from torch_impl.kernels import scale_
 
 
 class KernelLinearCrossEntropy(torch.autograd.Function):
-    """Over flattened rows x [N, D], y [N]; returns (reduced loss, lse [N]), both fp32.
+    """Over flattened rows x [N, D], y [N]; returns (reduced loss, lse [N]), both fp32. With
+    `active` (int64 [A]: the rows not ignored) only those rows are computed and lse is [A].
 
     When the loss is reduced, no lse is returned and some input needs a gradient, the
     "speed" plan computes the gradients in the forward pass and the backward pass scales
@@ -18,24 +19,25 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, W, b_V, cw_V, y_N, opts, weight_layout: str, plan: blocked.BlockPlan, return_lse: bool,
-                denominator=None):
+                denominator=None, active=None):
         need = ctx.needs_input_grad[:3]
         in_forward = any(need) and plan.strategy == "speed" and opts.reduction != "none" and not return_lse
         loss, lse, dx, dW, db = blocked.forward(
-            x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, need if in_forward else (False, False, False), denominator
+            x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, need if in_forward else (False, False, False), denominator,
+            active,
         )
         ctx.in_forward = in_forward
         ctx.opts, ctx.weight_layout, ctx.plan = opts, weight_layout, plan
         if in_forward:
             ctx.grads = (dx, dW, db)
         else:
-            ctx.save_for_backward(x_ND, W, b_V, cw_V, y_N, lse, denominator)
+            ctx.save_for_backward(x_ND, W, b_V, cw_V, y_N, lse, denominator, active)
         ctx.set_materialize_grads(False)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        none = (None,) * 7
+        none = (None,) * 8
         if grad_loss is None and grad_lse is None:
             return (None, None, None) + none
         if ctx.in_forward:
@@ -43,9 +45,9 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
             if grad_loss is None:
                 return tuple(None if g is None else torch.zeros_like(g) for g in grads) + none
             return tuple(None if g is None else scale_(g, grad_loss) for g in grads) + none
-        x_ND, W, b_V, cw_V, y_N, lse, denominator = ctx.saved_tensors
+        x_ND, W, b_V, cw_V, y_N, lse, denominator, active = ctx.saved_tensors
         grads = blocked.backward(
             grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, ctx.opts, ctx.weight_layout, ctx.plan,
-            ctx.needs_input_grad[:3], denominator,
+            ctx.needs_input_grad[:3], denominator, active,
         )
         return tuple(grads) + none

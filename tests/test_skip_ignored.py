@@ -1,0 +1,115 @@
+"""The PyTorch kernels computing only the rows whose target is not ignored
+(`torch_impl.functional.rows_not_ignored`), against the float64 reference.
+
+At the sizes of these tests the threshold (SKIP_IGNORED_MIN_WORK) is lowered to 0 so that
+every call with some ignored rows takes that path; a spy on `blocked.forward` asserts that
+it did, with exactly the rows not ignored. The CPU tests run the Triton kernels in the
+interpreter with small blocks (several row blocks, column blocks and vocabulary slabs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_impl.functional as functional
+from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, seed_of, upstream_grads
+from tests.test_implementations import check_against_reference, small_chunks  # noqa: F401 (a fixture)
+from torch_impl import blocked
+
+# The cases without a returned lse: a returned lse covers every row, so all rows are computed.
+ROW_CASES = [case for case, (_, kwargs, with_lse) in CASES.items() if not with_lse]
+
+
+@pytest.fixture
+def skipping(monkeypatch):
+    """Skip ignored rows at every size; returns the list of `active` arguments that
+    blocked.forward received."""
+    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 0)
+    seen = []
+    forward = blocked.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("active", args[10] if len(args) > 10 else None))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(blocked, "forward", spy)
+    return seen
+
+
+def assert_skipped_ignored(seen, p, ignore_index: int = -100) -> None:
+    assert seen and seen[-1] is not None, "the call computed every row"
+    expected = np.flatnonzero(p.y.reshape(-1) != ignore_index)
+    np.testing.assert_array_equal(seen[-1].cpu().numpy(), expected)
+
+
+@pytest.mark.parametrize("layout", ["VD", "DV"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROW_CASES)
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_skipping_ignored_rows_matches_reference(skipping, small_chunks, strategy, case, dtype, layout):
+    options, problem_kwargs, _ = CASES[case]
+    seed = seed_of("skip", strategy, case, dtype, layout)
+    p = make_problem(seed, dtype=dtype, weight_layout=layout, ignore_frac=0.4, **problem_kwargs)
+    g_out, _ = upstream_grads(seed, p, options.get("reduction", "mean"), False)
+    result = TorchAdapter(strategy).run(p, options, g_out, None)
+    check_against_reference(result, reference(p, options, g_out, None), dtype, p.logit_scale)
+    assert_skipped_ignored(skipping, p, options.get("ignore_index", -100))
+    ignored = (p.y == options.get("ignore_index", -100)).reshape(-1)
+    assert not result["grad_x"].reshape(-1, p.x.shape[-1])[ignored].any(), "ignored rows got a grad_input"
+
+
+@pytest.mark.parametrize("ignore_frac", [0.0, 1.0])
+def test_all_or_no_rows_ignored_compute_every_row(skipping, small_chunks, ignore_frac):
+    p = make_problem(5, ignore_frac=ignore_frac, bias=True)
+    g_out, _ = upstream_grads(5, p, "sum", False)
+    result = TorchAdapter("speed").run(p, dict(reduction="sum"), g_out, None)
+    check_against_reference(result, reference(p, dict(reduction="sum"), g_out, None), "float32")
+    assert skipping == [None]
+
+
+def test_returned_lse_computes_every_row(skipping, small_chunks):
+    p = make_problem(6, ignore_frac=0.5)
+    g_out, g_lse = upstream_grads(6, p, "mean", True)
+    result = TorchAdapter("memory").run(p, {}, g_out, g_lse)
+    check_against_reference(result, reference(p, {}, g_out, g_lse), "float32")
+    assert skipping == [None]
+
+
+def test_small_calls_compute_every_row(small_chunks, monkeypatch):
+    """Below SKIP_IGNORED_MIN_WORK nothing is looked up: no host wait for the rows."""
+    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53 + 1)
+    y = torch.tensor([1, -100, 2])
+    assert functional.rows_not_ignored(y, -100, 19, 53) is None
+    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 3 * 19 * 53)
+    assert functional.rows_not_ignored(y, -100, 19, 53).tolist() == [0, 2]
+
+
+def test_bad_target_still_raises(skipping):
+    x, W = torch.randn(6, 8, requires_grad=True), torch.randn(11, 8)
+    y = torch.tensor([0, -100, 11, 3, -100, 2])
+    with pytest.raises(ValueError, match="11"):
+        functional.linear_cross_entropy(x, W, y, strategy="speed")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["mean", "none-classweights", "zloss-softcap-bias"])
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_cuda_skipping_ignored_rows_matches_reference(skipping, monkeypatch, strategy, case, dtype):
+    """Medium odd shapes in several row and column blocks on the GPU."""
+    import interop.blocking
+
+    monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 64)
+    monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (64, 64))
+    monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 300 * 5003)
+    monkeypatch.setattr(interop.blocking, "MEMORY_FRACTION", 0.01)
+    options, problem_kwargs, _ = CASES[case]
+    seed = seed_of("cuda-skip", strategy, case, dtype)
+    p = make_problem(seed, lead=(1000,), hidden=257, vocab=5003, dtype=dtype, ignore_frac=0.3, **problem_kwargs)
+    g_out, _ = upstream_grads(seed, p, options.get("reduction", "mean"), False)
+    result = TorchAdapter(strategy, "cuda").run(p, options, g_out, None)
+    check_against_reference(result, reference(p, options, g_out, None), dtype, p.logit_scale)
+    assert_skipped_ignored(skipping, p)
