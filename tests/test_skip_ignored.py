@@ -14,9 +14,12 @@ import pytest
 import torch
 
 import torch_impl.functional as functional
+from tests import test_implementations
 from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, seed_of, upstream_grads
-from tests.test_implementations import check_against_reference, small_chunks  # noqa: F401 (a fixture)
+from tests.test_implementations import check_against_reference
 from torch_impl import blocked
+
+small_chunks = test_implementations.small_chunks  # autouse: several blocks at these sizes
 
 # The cases without a returned lse: a returned lse covers every row, so all rows are computed.
 ROW_CASES = [case for case, (_, kwargs, with_lse) in CASES.items() if not with_lse]
@@ -48,7 +51,7 @@ def assert_skipped_ignored(seen, p, ignore_index: int = -100) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROW_CASES)
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
-def test_skipping_ignored_rows_matches_reference(skipping, small_chunks, strategy, case, dtype, layout):
+def test_skipping_ignored_rows_matches_reference(skipping, strategy, case, dtype, layout):
     options, problem_kwargs, _ = CASES[case]
     seed = seed_of("skip", strategy, case, dtype, layout)
     p = make_problem(seed, dtype=dtype, weight_layout=layout, ignore_frac=0.4, **problem_kwargs)
@@ -61,7 +64,7 @@ def test_skipping_ignored_rows_matches_reference(skipping, small_chunks, strateg
 
 
 @pytest.mark.parametrize("ignore_frac", [0.0, 1.0])
-def test_all_or_no_rows_ignored_compute_every_row(skipping, small_chunks, ignore_frac):
+def test_all_or_no_rows_ignored_compute_every_row(skipping, ignore_frac):
     p = make_problem(5, ignore_frac=ignore_frac, bias=True)
     g_out, _ = upstream_grads(5, p, "sum", False)
     result = TorchAdapter("speed").run(p, dict(reduction="sum"), g_out, None)
@@ -69,7 +72,7 @@ def test_all_or_no_rows_ignored_compute_every_row(skipping, small_chunks, ignore
     assert skipping == [None]
 
 
-def test_returned_lse_computes_every_row(skipping, small_chunks):
+def test_returned_lse_computes_every_row(skipping):
     p = make_problem(6, ignore_frac=0.5)
     g_out, g_lse = upstream_grads(6, p, "mean", True)
     result = TorchAdapter("memory").run(p, {}, g_out, g_lse)
@@ -77,7 +80,7 @@ def test_returned_lse_computes_every_row(skipping, small_chunks):
     assert skipping == [None]
 
 
-def test_small_calls_compute_every_row(small_chunks, monkeypatch):
+def test_small_calls_compute_every_row(monkeypatch):
     """Below SKIP_IGNORED_MIN_WORK nothing is looked up: no host wait for the rows."""
     monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53 + 1)
     y = torch.tensor([1, -100, 2])
