@@ -223,8 +223,11 @@ class JaxAdapter:
             self.jnp.asarray(x), self.jnp.asarray(W), self.jnp.asarray(y), strategy=self.strategy, **kwargs
         )
 
-    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int32", jit=True, return_lse=True):
+    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int32", jit=True, return_lse=None):
+        """As TorchAdapter.run (return_lse defaults to whether grad_lse is given: without a
+        returned lse, "speed" forms the gradients in the custom_vjp's forward rule)."""
         jnp = self.jnp
+        return_lse = grad_lse is not None if return_lse is None else return_lse
         arrays = {"x": self.array(p.x, p.dtype), "W": self.array(p.W, p.dtype),
                   "b": None if p.b is None else self.array(p.b, p.dtype)}
         need = [k for k in wrt if arrays[k] is not None]
@@ -235,13 +238,14 @@ class JaxAdapter:
         def loss_and_vjp(diff, y, g_out, g_lse):
             def f(diff):
                 a = {**fixed, **diff}
-                return self.impl.linear_cross_entropy(
+                out = self.impl.linear_cross_entropy(
                     a["x"], a["W"], y, linear_bias=a["b"], weight=cw, weight_layout=p.weight_layout,
-                    return_lse=True, strategy=self.strategy, **options,
+                    return_lse=return_lse, strategy=self.strategy, **options,
                 )
+                return out if return_lse else (out, None)
 
             (loss, lse), vjp = self.jax.vjp(f, diff)
-            (grads,) = vjp((g_out.astype(loss.dtype), g_lse.astype(lse.dtype)))
+            (grads,) = vjp((g_out.astype(loss.dtype), None if lse is None else g_lse.astype(lse.dtype)))
             return loss, lse, grads
 
         run = self.jax.jit(loss_and_vjp) if jit else loss_and_vjp
@@ -249,7 +253,7 @@ class JaxAdapter:
         loss, lse, grads = run({k: arrays[k] for k in need}, y, jnp.asarray(grad_output, jnp.float32), jnp.asarray(g_lse, jnp.float32))
         for k in need:
             assert grads[k].dtype == arrays[k].dtype, f"grad_{k} has dtype {grads[k].dtype}, input {arrays[k].dtype}"
-        result = {"loss": loss, "lse": lse, **{f"grad_{k}": g for k, g in grads.items()}}
+        result = {"loss": loss, **({} if lse is None else {"lse": lse}), **{f"grad_{k}": g for k, g in grads.items()}}
         return {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in result.items()}
 
 
