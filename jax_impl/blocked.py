@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import block_shape, weight_grad_slabs
+from interop.blocking import block_shape
 from interop.options import CrossEntropyOptions
 from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl.matmul import contract
@@ -152,60 +152,35 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
     scale = 1.0 / rows.cw_y.sum() if opts.reduction == "mean" else jnp.float32(1.0)
     per_row_opts = dataclasses.replace(opts, reduction="sum")
 
-    acc = W.dtype if cfg.accumulate_in_input_dtype else jnp.float32
-    # Whole rows, their logits in vocabulary slabs (one per grad_weight slab, each its own
-    # array, so no product reads a slice of a wider one), rewritten in place as dz.
-    edges = weight_grad_slabs(prob.vocab, x_ND.shape[1] * jnp.dtype(acc).itemsize, jnp.dtype(acc) != W.dtype)
-    slabs = [(a, b - a) for a, b in zip(edges, edges[1:])]
-
     def row_step(carry, xs):
         x_R, y_R, valid_R, bad_R, in_range_R, cw_y_R = xs
         if not with_grads:
             return carry, _stats(prob, x_R, y_R)
-        dWs, db = carry
-        zs = [prob.logits(x_R, prob.head_cols(v0, cols)) for v0, cols in slabs]
-        stats = _initial_stats(x_R.shape[0])
-        for (v0, _), z in zip(slabs, zs):
-            stats = _stats_of_block(prob, z, v0, y_R, stats)
-        m, l, s_y, ws = stats
+        dW, db = carry  # whole rows: one block, its logits rewritten in place as dz
+        z = prob.logits(x_R, W)
+        m, l, s_y, ws = _stats_of_block(prob, z, 0, y_R, _initial_stats(x_R.shape[0]))
         lse = m + jnp.log(l)
         block_rows = TargetRows(y_R, valid_R, in_range_R, bad_R, cw_y_R)
         coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
-        dx_R, new_dWs, db_parts = jnp.zeros(x_R.shape, jnp.float32), [], []
-        for (v0, cols), z, dW in zip(slabs, zs, dWs):
-            dz = block_grad(z, v0_array(v0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
-            dx_R = dx_R + prob.grad_input_share(dz, prob.head_cols(v0, cols))
-            new_dWs.append(dW + prob.grad_weight_share(dz, x_R).astype(dW.dtype))
-            db_parts.append(dz.astype(jnp.float32).sum(0))
-        return (tuple(new_dWs), db + jnp.concatenate(db_parts)), (lse, s_y, ws, dx_R.astype(x_R.dtype))
+        dz = block_grad(z, v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
+        dx_R = prob.grad_input_share(dz, W).astype(x_R.dtype)
+        dW = dW + prob.grad_weight_share(dz, x_R).astype(dW.dtype)
+        return (dW, db + dz.astype(jnp.float32).sum(0)), (lse, s_y, ws, dx_R)
 
     per_row = ((x_ND, 0), (rows.safe_y, 0), (rows.valid, False), (rows.bad, False), (rows.in_range, True), (rows.cw_y, 0))
     xs = tuple(row_blocks(a, n, R, fill) for a, fill in per_row)
     carry = None
     if with_grads:
-        slab_shape = (lambda cols: (cols, W.shape[1])) if prob.vd else (lambda cols: (W.shape[0], cols))
-        carry = (tuple(jnp.zeros(slab_shape(cols), acc) for _, cols in slabs), jnp.zeros((prob.vocab,), jnp.float32))
+        acc = W.dtype if cfg.accumulate_in_input_dtype else jnp.float32
+        carry = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
     carry, outs = jax.lax.scan(row_step, carry, xs)
     lse, s_y, ws = (a.reshape(-1)[:n] for a in outs[:3])
     loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, prob.cw_sum, prob.vocab), rows, opts.reduction)
     if not with_grads:
         return loss, lse, None
     dx = outs[3].reshape(-1, x_ND.shape[1])[:n]
-    dWs, db = carry
-    dW = _concatenate_converted(dWs, W.dtype, axis=0 if prob.vd else 1)
-    return loss, lse, (dx, dW, None if b_V is None else db.astype(b_V.dtype))
-
-
-def _concatenate_converted(slabs, dtype, axis: int):
-    """The slabs converted to dtype and concatenated, one slab converted at a time (an
-    optimization barrier keeps XLA from fusing all conversions into the concatenation):
-    the memory of wide slabs peaks at all slabs + one converted one, not twice the slabs."""
-    done, rest = [], list(slabs)
-    while rest:
-        done.append(rest.pop(0).astype(dtype))
-        if rest:
-            done, rest = (list(t) for t in jax.lax.optimization_barrier((tuple(done), tuple(rest))))
-    return done[0] if len(done) == 1 else jnp.concatenate(done, axis=axis)
+    dW, db = carry
+    return loss, lse, (dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype))
 
 
 def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig):
