@@ -1,5 +1,6 @@
-"""The PyTorch kernels computing only the rows whose target is not ignored
-(`torch_impl.functional.rows_not_ignored`), against the float64 reference.
+"""The PyTorch kernels computing only the rows whose target is not ignored (cross-entropy)
+or that are valid (distillation), `torch_impl.functional.rows_to_compute`, against the
+float64 reference.
 
 At the sizes of these tests the threshold (SKIP_IGNORED_MIN_WORK) is lowered to 0 so that
 every call with some ignored rows takes that path; a spy on `blocked.forward` asserts that
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 import torch_impl.functional as functional
-from tests import test_implementations
-from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, seed_of, upstream_grads
+from tests import distill_frameworks, test_distillation, test_implementations
+from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, seed_of, tolerance, upstream_grads
 from tests.test_implementations import check_against_reference
 from torch_impl import blocked
 
@@ -83,10 +84,10 @@ def test_returned_lse_computes_every_row(skipping):
 def test_small_calls_compute_every_row(monkeypatch):
     """Below SKIP_IGNORED_MIN_WORK nothing is looked up: no host wait for the rows."""
     monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53 + 1)
-    y = torch.tensor([1, -100, 2])
-    assert functional.rows_not_ignored(y, -100, 19, 53) is None
+    keep = torch.tensor([True, False, True])
+    assert functional.rows_to_compute(keep, 19, 53) is None
     monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 3 * 19 * 53)
-    assert functional.rows_not_ignored(y, -100, 19, 53).tolist() == [0, 2]
+    assert functional.rows_to_compute(keep, 19, 53).tolist() == [0, 2]
 
 
 def test_bad_target_still_raises(skipping):
@@ -116,3 +117,41 @@ def test_cuda_skipping_ignored_rows_matches_reference(skipping, monkeypatch, str
     result = TorchAdapter(strategy, "cuda").run(p, options, g_out, None)
     check_against_reference(result, reference(p, options, g_out, None), dtype, p.logit_scale)
     assert_skipped_ignored(skipping, p)
+
+
+# Distillation: the cases whose rows are not all valid (a target with ignored rows, or a mask).
+DISTILL_CASES = [key for key, (_, problem, *_) in test_distillation.CASES.items() if problem.get("target") or problem.get("mask")]
+
+
+def check_distillation_skipping(monkeypatch, strategy, kind, name, dtype, device):
+    import torch_impl.distillation
+
+    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 0)
+    found, rows_to_compute = [], torch_impl.distillation.rows_to_compute
+
+    def spy(*args):
+        found.append(rows_to_compute(*args))
+        return found[-1]
+
+    monkeypatch.setattr(torch_impl.distillation, "rows_to_compute", spy)
+    p, options, g, count, scale = test_distillation.case_inputs(kind, name, dtype)
+    result = distill_frameworks.run("torch", strategy, p, options, g, count, device=device)
+    tol = tolerance(dtype, scale)
+    for key, err in test_distillation.errors(result, distill_frameworks.reference(p, options, g, count)).items():
+        assert err <= tol, f"{key}: relative error {err:.3g} > {tol:.3g}"
+    assert len(found) == 1 and found[0] is not None and 0 < found[0].shape[0] < p.x.reshape(-1, p.x.shape[-1]).shape[0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kind, name", DISTILL_CASES)
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_distillation_skipping_invalid_rows_matches_reference(monkeypatch, strategy, kind, name, dtype):
+    check_distillation_skipping(monkeypatch, strategy, kind, name, dtype, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind, name", DISTILL_CASES)
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_cuda_distillation_skipping_invalid_rows_matches_reference(monkeypatch, strategy, kind, name):
+    check_distillation_skipping(monkeypatch, strategy, kind, name, "bfloat16", "cuda")

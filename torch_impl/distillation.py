@@ -10,7 +10,7 @@ from interop.distillation import (DenseDistillationOptions, TopKDistillationOpti
 from interop.options import check_strategy, target_out_of_range_message
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation, plan_distillation
 from torch_impl.distill_rows import TopKTeacher, valid_rows
-from torch_impl.functional import choose_strategy, dtype_name
+from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute
 from torch_impl.rows import compute_dtype
 
 
@@ -30,6 +30,17 @@ def _num_items(num_items_in_batch, dtype, device):
     if isinstance(num_items_in_batch, bool) or not float(num_items_in_batch) > 0:
         raise ValueError(f"num_items_in_batch must be a number > 0 or a tensor, got {num_items_in_batch!r}")
     return float(num_items_in_batch)
+
+
+def _valid_rows_only(strategy: str, valid_N, hidden: int, vocab: int):
+    """The valid rows [A] (int64) when the kernels should compute only those
+    (`torch_impl.functional.rows_to_compute`), else None."""
+    return None if strategy == "chunked" else rows_to_compute(valid_N, hidden, vocab)
+
+
+def _all_rows(loss_A, rows, n: int):
+    """Per-row losses of the computed rows [A] as [N], 0 for the others (differentiable)."""
+    return loss_A if rows is None else loss_A.new_zeros(n).index_copy(0, rows, loss_A)
 
 
 def _autocast(*tensors):
@@ -111,13 +122,17 @@ def linear_topk_distillation(
             raise ValueError(target_out_of_range_message(int(y[bad][0]), V, o.ignore_index))
         y_kernel = torch.where(valid, y, y_kernel)
     x_ND = input.reshape(n, shape.hidden)
+    logprobs = teacher_logprobs.reshape(n, shape.k)
     wide = compute_dtype(input.dtype)
-    teacher = TopKTeacher(ids, teacher_logprobs.reshape(n, shape.k), o.renormalize_teacher, wide)
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, V)
-    plan, ops = plan_distillation(strategy, n, shape.hidden, V, input.dtype, accumulate_in_input_dtype)
+    rows = _valid_rows_only(strategy, valid, shape.hidden, V)
+    if rows is not None:  # the rows left out contribute nothing: give the kernels only the others
+        x_ND, ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (x_ND, ids, logprobs, y_kernel, valid))
+    teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
+    plan, ops = plan_distillation(strategy, x_ND.shape[0], shape.hidden, V, input.dtype, accumulate_in_input_dtype)
     loss = TopKDistillation.apply(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, o, weight_layout, plan, ops,
                                   _num_items(num_items_in_batch, wide, dev))
-    return loss.reshape(shape.lead_shape) if reduction == "none" else loss
+    return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 
 
 @torch.compiler.disable
@@ -174,7 +189,11 @@ def linear_distillation(
     x_ND = input.reshape(n, shape.hidden)
     xt_ND = teacher_input.reshape(n, shape.teacher_hidden).detach()
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab)
-    plan, ops = plan_distillation(strategy, n, shape.hidden, vocab, input.dtype, accumulate_in_input_dtype, buffers=2)
+    rows = _valid_rows_only(strategy, valid, shape.hidden, vocab)
+    if rows is not None:
+        x_ND, xt_ND, valid = (t.index_select(0, rows) for t in (x_ND, xt_ND, valid))
+    plan, ops = plan_distillation(strategy, x_ND.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,
+                                  buffers=2)
     loss = DenseDistillation.apply(x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid, o, weight_layout, vocab,
                                    plan, ops, _num_items(num_items_in_batch, compute_dtype(input.dtype), dev))
-    return loss.reshape(shape.lead_shape) if reduction == "none" else loss
+    return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss

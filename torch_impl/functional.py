@@ -37,14 +37,14 @@ def _check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> Non
 SKIP_IGNORED_MIN_WORK = 2**40
 
 
-def rows_not_ignored(y_N: torch.Tensor, ignore_index: int, hidden: int, vocab: int) -> torch.Tensor | None:
-    """int64 [A], ascending: the rows whose target is not ignore_index, when the kernels should
-    compute only those (some but not all ignored, N * D * V >= SKIP_IGNORED_MIN_WORK); else
+def rows_to_compute(keep_N: torch.Tensor, hidden: int, vocab: int) -> torch.Tensor | None:
+    """int64 [A], ascending: the rows where keep_N (bool [N]) is set, when the kernels should
+    compute only those (some but not all kept, N * D * V >= SKIP_IGNORED_MIN_WORK); else
     None. Waits for the GPU when it looks."""
-    if y_N.shape[0] * hidden * vocab < SKIP_IGNORED_MIN_WORK:
+    if keep_N.shape[0] * hidden * vocab < SKIP_IGNORED_MIN_WORK:
         return None
-    active = (y_N != ignore_index).nonzero().squeeze(1)
-    return active if 0 < active.shape[0] < y_N.shape[0] else None
+    active = keep_N.nonzero().squeeze(1)
+    return active if 0 < active.shape[0] < keep_N.shape[0] else None
 
 
 class _HostValue:
@@ -185,7 +185,7 @@ def linear_cross_entropy(
         y_N = y_N.to(torch.int64)
         checked = check_targets(y_N, weight, opts.ignore_index, shape.vocab)
         bad = _HostValue(checked[0])
-        active = None if return_lse else rows_not_ignored(y_N, opts.ignore_index, shape.hidden, shape.vocab)
+        active = None if return_lse else rows_to_compute(y_N != opts.ignore_index, shape.hidden, shape.vocab)
         n_active = shape.n_rows if active is None else active.shape[0]
         plan = blocked.plan_blocks(strategy, n_active, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
                                    filter_eps, gathered_rows=active is not None)
