@@ -93,8 +93,9 @@ def measure_method(fn, diff, rest, ref, device, repeat):
     return row
 
 
-def run(shapes, ks, dtype, device, repeat, log, only=None):
-    """Rows of results; `only`: the method names to run (all when None)."""
+def run(shapes, ks, dtype, device, repeat, log, only=None, dense=True):
+    """Rows of results; `only`: the method names to run (all when None); dense: also the
+    dense-teacher loss."""
     rows = []
     for shape in shapes:
         n, d, v = measure.PRESETS[shape]
@@ -104,10 +105,11 @@ def run(shapes, ks, dtype, device, repeat, log, only=None):
         for k in ks:
             ids, lp = teacher_topk(x, W, k)
             problems.append((f"topk K={k}", topk_methods, (y, ids, lp)))
-        gen = torch.Generator(device=device).manual_seed(2)
-        xt = torch.randn(n, d, device=device, generator=gen).to(dtype)
-        Wt = (torch.randn(v, d, device=device, generator=gen) / d**0.5).to(dtype)
-        problems.append(("dense jsd", dense_methods, (xt, Wt, y)))
+        if dense:
+            gen = torch.Generator(device=device).manual_seed(2)
+            xt = torch.randn(n, d, device=device, generator=gen).to(dtype)
+            Wt = (torch.randn(v, d, device=device, generator=gen) / d**0.5).to(dtype)
+            problems.append(("dense jsd", dense_methods, (xt, Wt, y)))
         for loss_name, make, rest in problems:
             methods, ref_method = make()
             dbl = [r.double() if r.is_floating_point() and r.dim() > 1 and r.shape[1] == d else r for r in rest]
@@ -138,6 +140,7 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
+    parser.add_argument("--no-dense", action="store_true", help="only the top-K losses")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
 
@@ -150,7 +153,8 @@ def main(argv=None):
               f" dW {r['grad_W_err']:.1e}", flush=True)
 
     only = None if args.methods is None else set(args.methods.split(","))
-    rows = run(args.shapes.split(","), [int(k) for k in args.k.split(",")], torch.bfloat16, device, args.repeat, log, only)
+    rows = run(args.shapes.split(","), [int(k) for k in args.k.split(",")], torch.bfloat16, device, args.repeat, log, only,
+               dense=not args.no_dense)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": environment(device), "rows": rows}, f, indent=1)
