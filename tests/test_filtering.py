@@ -138,6 +138,31 @@ def test_filtered_speed_matches_simulated_rule(monkeypatch, case, vocab, dtype, 
         assert rel(g, w) <= tol, f"{name}: {rel(g, w):.3g} from the filtered rule > {tol:.3g}"
 
 
+@pytest.mark.parametrize("case", ["mean", "none-classweights"])
+def test_filtered_speed_on_the_rows_not_ignored(monkeypatch, case):
+    """When only the rows not ignored are computed (torch_impl.functional.rows_to_compute),
+    the rule applies to blocks of those rows; the ignored rows get a zero grad_input."""
+    import torch_impl.functional
+    from torch_impl.blocked import plan_blocks
+
+    monkeypatch.setattr(torch_impl.functional, "SKIP_IGNORED_MIN_WORK", 0)
+    opts, bias, class_weights = OPTION_CASES[case]
+    vocab, seed = 2100, seed_of("rows-not-ignored", case)
+    x, W, y, b, cw = make_inputs(seed, vocab, torch.float32, "VD", bias, class_weights)
+    g_out = torch.rand(N, generator=torch.Generator().manual_seed(seed)) + 0.5 if opts.get("reduction") == "none" else 1.0
+    kept = y != -100
+    block_rows = plan_blocks("speed", int(kept.sum()), D, vocab, torch.float32, False).block_rows
+    assert block_rows < kept.sum(), "several row blocks"
+    got = run(x, W, y, b, cw, "VD", opts, "speed", 1e-3, g_out)
+    g_kept = g_out[kept] if isinstance(g_out, torch.Tensor) else g_out
+    *want, keep = simulated_grads(x[kept], W, b, cw, y[kept], opts, 1e-3, block_rows, g_kept)
+    assert 0 < keep.double().mean() < 0.5
+    tol = tolerance("float32", 3.0)
+    assert rel(got[0][kept], want[0]) <= tol and not got[0][~kept].any()
+    for g, w in zip(got[1:], want[1:]):
+        assert rel(g, w) <= tol
+
+
 @pytest.mark.parametrize("strategy", ["speed", "chunked"])
 def test_filter_zero_keeps_every_entry_and_huge_keeps_only_targets(strategy):
     """filter_eps=0 keeps everything (entries equal to 0 aside); a huge one leaves the
