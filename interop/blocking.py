@@ -9,6 +9,9 @@ accumulator of one row block stay near MEMORY_FRACTION of the gradients' bytes.
 from __future__ import annotations
 
 SPEED_BLOCK_ELEMENTS = 1 << 28  # logits per "speed" block (512 MiB in bf16): few passes over an fp32 dW
+NARROW_SPEED_BLOCK_GROWTH = 1.5  # "speed" with a 16-bit grad_weight accumulator and one logits buffer:
+# the block grows by this factor, paid from the V x D x 2 bytes that the fp32 accumulator would have
+# held beyond it, and the accumulator is read and written in fewer passes
 MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
@@ -22,15 +25,17 @@ def _round_down(n: int, multiple: int) -> int:
 
 
 def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int, buffers: int = 1,
-                gathered_rows: bool = False) -> tuple[int, int]:
+                gathered_rows: bool = False, narrow_accumulator: bool = False) -> tuple[int, int]:
     """(rows, cols) per block for "speed" or "memory"; itemsize: bytes of the input dtype;
     buffers: logits buffers of that shape held at once (2 for a dense teacher's and the
     student's), which share "memory"'s budget; gathered_rows: each row block's inputs are
-    a copy (rows gathered from a larger input), which shares it too. "speed" keeps its
-    rows: halving them for the dense teacher saved 0.4-0.5 x the floor but cost 7% (L) to
-    23% (G) of the time (H100)."""
+    a copy (rows gathered from a larger input), which shares it too; narrow_accumulator:
+    "speed" accumulates grad_weight in a 16-bit input dtype (NARROW_SPEED_BLOCK_GROWTH).
+    "speed" keeps its rows for two buffers: halving them for the dense teacher saved
+    0.4-0.5 x the floor but cost 7% (L) to 23% (G) of the time (H100)."""
     if strategy == "speed":
-        rows = _round_down(SPEED_BLOCK_ELEMENTS // vocab, MIN_BLOCK)
+        growth = NARROW_SPEED_BLOCK_GROWTH if narrow_accumulator and itemsize == 2 and buffers == 1 else 1
+        rows = _round_down(int(SPEED_BLOCK_ELEMENTS * growth) // vocab, MIN_BLOCK)
         return max(1, min(n_rows, rows)), vocab
     budget = MEMORY_FRACTION * (n_rows + vocab) * hidden * itemsize
     min_rows, min_cols = (max(MIN_BLOCK, m) for m in MIN_MEMORY_BLOCK)

@@ -49,7 +49,8 @@ def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torc
     """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
     n_rows: the rows computed; gathered_rows: they are gathered from x (HeadBlocks.active)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows)
+    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
+                             narrow_accumulator=accumulate_in_input_dtype)
     if strategy == "speed":
         return BlockPlan("speed", rows, cols, dtype if accumulate_in_input_dtype else torch.float32, filter_eps)
     return BlockPlan("memory", rows, cols, dtype, filter_eps)
