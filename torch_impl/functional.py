@@ -128,7 +128,8 @@ def linear_cross_entropy(
         weight_layout: "VD" or "DV", the layout of linear_weight.
         strategy: "auto", "speed", "memory" or "chunked" (interop.options.check_strategy).
         accumulate_in_input_dtype: accumulate grad_weight in the input dtype rather than
-            fp32 ("speed": saves V*D*4 bytes, costs accuracy).
+            fp32 ("speed": holds no V*D*4-byte accumulator, and with a 16-bit input takes
+            blocks of 1.5x the logits; costs accuracy).
         filter_eps: gradient filtering, off (None) by default (interop.options.
             check_filter_eps). The kernels drop, per block of whole rows, each tile of
             512 classes whose every entry of dz lies below filter_eps x the row's scale
