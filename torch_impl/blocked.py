@@ -15,6 +15,8 @@ Two strategies (`plan_blocks`):
   bytes. The backward pass recomputes the logits (8 N D V flops). grad_weight is
   accumulated in fp32 inside each row block (one matrix product over R rows) and in the
   input dtype across row blocks.
+Either may compute only some rows (`active`: those whose target is not ignored, from
+`torch_impl.functional.rows_to_compute`), gathered block by block.
 """
 
 from __future__ import annotations
