@@ -10,8 +10,8 @@ from __future__ import annotations
 
 SPEED_BLOCK_ELEMENTS = 1 << 28  # logits per "speed" block (512 MiB in bf16): few passes over an fp32 dW
 NARROW_SPEED_BLOCK_GROWTH = 1.5  # "speed" with a 16-bit grad_weight accumulator and one logits buffer:
-# the block grows by this factor, paid from the V x D x 2 bytes that the fp32 accumulator would have
-# held beyond it, and the accumulator is read and written in fewer passes
+# the block grows by this factor when the V x D x 2 bytes that an fp32 accumulator would have held
+# beyond it pay for the growth; the accumulator is then read and written in fewer passes
 MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
@@ -30,11 +30,14 @@ def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: i
     buffers: logits buffers of that shape held at once (2 for a dense teacher's and the
     student's), which share "memory"'s budget; gathered_rows: each row block's inputs are
     a copy (rows gathered from a larger input), which shares it too; narrow_accumulator:
-    "speed" accumulates grad_weight in a 16-bit input dtype (NARROW_SPEED_BLOCK_GROWTH).
+    "speed" accumulates grad_weight in a 16-bit input dtype (NARROW_SPEED_BLOCK_GROWTH, when
+    the bytes it saves over fp32 cover the growth).
     "speed" keeps its rows for two buffers: halving them for the dense teacher saved
     0.4-0.5 x the floor but cost 7% (L) to 23% (G) of the time (H100)."""
     if strategy == "speed":
-        growth = NARROW_SPEED_BLOCK_GROWTH if narrow_accumulator and itemsize == 2 and buffers == 1 else 1
+        growth_bytes = SPEED_BLOCK_ELEMENTS * (NARROW_SPEED_BLOCK_GROWTH - 1) * itemsize
+        grows = narrow_accumulator and itemsize == 2 and buffers == 1 and vocab * hidden * 2 >= growth_bytes
+        growth = NARROW_SPEED_BLOCK_GROWTH if grows else 1
         rows = _round_down(int(SPEED_BLOCK_ELEMENTS * growth) // vocab, MIN_BLOCK)
         return max(1, min(n_rows, rows)), vocab
     budget = MEMORY_FRACTION * (n_rows + vocab) * hidden * itemsize

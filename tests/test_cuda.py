@@ -105,6 +105,26 @@ def test_large_shapes_against_fp64_and_eager(strategy, shape):
     assert _err(dx, ref_dx) <= tol and _err(dW, ref_dW) <= tol
 
 
+@pytest.mark.parametrize("skip_ignored", [False, True], ids=["all-rows", "rows-not-ignored"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bad_target_raises(monkeypatch, strategy, skip_ignored):
+    """On the GPU the bad-target count reaches the host through pinned memory after the
+    call's work is queued: the call still raises, naming the target, and a good call after
+    it is right (nothing left behind)."""
+    import torch_impl
+    import torch_impl.functional
+
+    if skip_ignored:
+        monkeypatch.setattr(torch_impl.functional, "SKIP_IGNORED_MIN_WORK", 0)
+    x, W, y = _large_problem(1000, 64, 5003, torch.bfloat16)
+    bad = y.clone()
+    bad[517] = 5003
+    with pytest.raises(ValueError, match="target holds 5003"):
+        torch_impl.linear_cross_entropy(x, W, bad, strategy=strategy)
+    loss = torch_impl.linear_cross_entropy(x, W, y, strategy=strategy)
+    assert _err(loss, _fp64_spec(x, W, y)[0]) <= 1e-4
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_forward_only_does_no_gradient_work(strategy):
     """Without grad the call allocates no gradient buffers: its peak is the logits block and

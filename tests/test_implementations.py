@@ -143,10 +143,11 @@ def test_block_rules_split_these_problems(small_chunks):
 
 def test_speed_blocks_grow_with_a_16_bit_accumulator():
     """"speed" blocks take NARROW_SPEED_BLOCK_GROWTH x the logits when grad_weight is
-    accumulated in a 16-bit input dtype with one logits buffer, and only then."""
+    accumulated in a 16-bit input dtype with one logits buffer and the head is large enough
+    for the saved bytes to pay for it, and only then."""
     import interop.blocking as blocking
 
-    n, d, v = 10**6, 19, 5  # block sizes of the small_chunks fixture: 265 logits, rows in multiples of 4
+    n, d, v = 10**6, 100, 5  # block sizes of the small_chunks fixture: 265 logits, rows in multiples of 4
     rows = lambda elements: elements // v // blocking.MIN_BLOCK * blocking.MIN_BLOCK
     wide = rows(blocking.SPEED_BLOCK_ELEMENTS)
     assert blocking.block_shape("speed", n, d, v, 2)[0] == wide
@@ -154,6 +155,8 @@ def test_speed_blocks_grow_with_a_16_bit_accumulator():
     assert narrow == rows(int(blocking.SPEED_BLOCK_ELEMENTS * blocking.NARROW_SPEED_BLOCK_GROWTH)) > wide
     assert blocking.block_shape("speed", n, d, v, 4, narrow_accumulator=True)[0] == wide
     assert blocking.block_shape("speed", n, d, v, 2, buffers=2, narrow_accumulator=True)[0] == wide
+    small_head = 13  # 5 x 13 x 2 bytes saved < the 265 bytes the growth would take
+    assert blocking.block_shape("speed", n, small_head, v, 2, narrow_accumulator=True)[0] == wide
 
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))

@@ -182,6 +182,7 @@ class HeadBlocks:
         if self.active is None:
             return self.x[rs]
         if self._gathered[0] != rs:
+            self._gathered = (None, None)  # the previous block's rows go first: one gathered block at a time
             self._gathered = (rs, self.x.index_select(0, self.active[rs]))
         return self._gathered[1]
 

@@ -55,9 +55,9 @@ class _HostValue:
         self.event = None
         if t.is_cuda:
             self.value = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.value.copy_(t, non_blocking=True)
+            self.value.copy_(t, non_blocking=True)  # on t's device's current stream
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(t.device))
         else:
             self.value = t
 
