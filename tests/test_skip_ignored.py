@@ -82,12 +82,22 @@ def test_returned_lse_computes_every_row(skipping):
 
 
 def test_small_calls_compute_every_row(monkeypatch):
-    """Below SKIP_IGNORED_MIN_WORK nothing is looked up: no host wait for the rows."""
+    """Below SKIP_IGNORED_MIN_WORK the rows are not looked up (no host wait, no extra launch)."""
     monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53 + 1)
-    keep = torch.tensor([True, False, True])
-    assert functional.rows_to_compute(keep, 19, 53) is None
-    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 3 * 19 * 53)
-    assert functional.rows_to_compute(keep, 19, 53).tolist() == [0, 2]
+    assert not functional.skipping_pays(13, 19, 53)
+    monkeypatch.setattr(functional, "rows_to_compute", lambda keep: pytest.fail("looked up the rows"))
+    p = make_problem(8, ignore_frac=0.5)
+    g_out, _ = upstream_grads(8, p, "mean", False)
+    result = TorchAdapter("speed").run(p, {}, g_out, None)
+    check_against_reference(result, reference(p, {}, g_out, None), "float32")
+    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53)
+    assert functional.skipping_pays(13, 19, 53)
+
+
+def test_rows_to_compute_only_when_some_are_left_out():
+    assert functional.rows_to_compute(torch.tensor([True, False, True])).tolist() == [0, 2]
+    assert functional.rows_to_compute(torch.tensor([True, True])) is None
+    assert functional.rows_to_compute(torch.tensor([False, False])) is None
 
 
 def test_bad_target_still_raises(skipping):

@@ -10,7 +10,7 @@ from interop.distillation import (DenseDistillationOptions, TopKDistillationOpti
 from interop.options import check_strategy, target_out_of_range_message
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation, plan_distillation
 from torch_impl.distill_rows import TopKTeacher, valid_rows
-from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute
+from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute, skipping_pays
 from torch_impl.rows import compute_dtype
 
 
@@ -35,7 +35,9 @@ def _num_items(num_items_in_batch, dtype, device):
 def _valid_rows_only(strategy: str, valid_N, hidden: int, vocab: int):
     """The valid rows [A] (int64) when the kernels should compute only those
     (`torch_impl.functional.rows_to_compute`), else None."""
-    return None if strategy == "chunked" else rows_to_compute(valid_N, hidden, vocab)
+    if strategy == "chunked" or not skipping_pays(valid_N.shape[0], hidden, vocab):
+        return None
+    return rows_to_compute(valid_N)
 
 
 def _all_rows(loss_A, rows, n: int):

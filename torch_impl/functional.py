@@ -37,12 +37,15 @@ def _check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> Non
 SKIP_IGNORED_MIN_WORK = 2**40
 
 
-def rows_to_compute(keep_N: torch.Tensor, hidden: int, vocab: int) -> torch.Tensor | None:
-    """int64 [A], ascending: the rows where keep_N (bool [N]) is set, when the kernels should
-    compute only those (some but not all kept, N * D * V >= SKIP_IGNORED_MIN_WORK); else
-    None. Waits for the GPU when it looks."""
-    if keep_N.shape[0] * hidden * vocab < SKIP_IGNORED_MIN_WORK:
-        return None
+def skipping_pays(n_rows: int, hidden: int, vocab: int) -> bool:
+    """Whether a call is large enough (N * D * V >= SKIP_IGNORED_MIN_WORK) for the kernels to
+    compute only some of its rows."""
+    return n_rows * hidden * vocab >= SKIP_IGNORED_MIN_WORK
+
+
+def rows_to_compute(keep_N: torch.Tensor) -> torch.Tensor | None:
+    """int64 [A], ascending: the rows where keep_N (bool [N]) is set, or None when all or none
+    are. Waits for the GPU (call it only where `skipping_pays`)."""
     active = keep_N.nonzero().squeeze(1)
     return active if 0 < active.shape[0] < keep_N.shape[0] else None
 
@@ -186,7 +189,8 @@ def linear_cross_entropy(
         y_N = y_N.to(torch.int64)
         checked = check_targets(y_N, weight, opts.ignore_index, shape.vocab)
         bad = _HostValue(checked[0])
-        active = None if return_lse else rows_to_compute(y_N != opts.ignore_index, shape.hidden, shape.vocab)
+        skip = not return_lse and skipping_pays(shape.n_rows, shape.hidden, shape.vocab)
+        active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
         plan = blocked.plan_blocks(strategy, n_active, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
                                    filter_eps, gathered_rows=active is not None)
