@@ -24,7 +24,7 @@ from interop.blocking import block_shape
 from interop.options import CrossEntropyOptions
 from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl.matmul import contract
-from jax_impl.rows import TargetRows, reduce_loss, row_blocks, row_coefficients, row_loss
+from jax_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loop, row_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +72,27 @@ class Head:
         return jax.lax.dynamic_slice_in_dim(self.W, v0, cols, axis=axis)
 
     def logits(self, x_RD, W_c):
-        """z [R, cols] = x W_c^T (no bias) in logits_dtype, accumulated in fp32 (or fp64)."""
-        wide = jnp.float64 if self.logits_dtype == jnp.float64 else jnp.float32
-        return contract(x_RD, W_c, 1, 1 if self.vd else 0, wide).astype(self.logits_dtype)
+        """z [R, cols] = x W_c^T (no bias) in logits_dtype, accumulated in fp32 (or fp64) by
+        the product itself (asking XLA for fp32 and converting kept an fp32 block)."""
+        return contract(x_RD, W_c, 1, 1 if self.vd else 0, self.logits_dtype)
 
-    def grad_input_share(self, dz, W_c):
-        """dz W_c: [R, D] in fp32 (fp64 for fp64 dz)."""
-        return contract(dz, W_c.astype(dz.dtype), 1, 0 if self.vd else 1, _wide(dz))
+    def grad_input_share(self, dz, W_c, out_dtype=None):
+        """dz W_c: [R, D] accumulated in fp32 (fp64 for fp64 dz), returned in out_dtype (that
+        accumulator's unless given)."""
+        return contract(dz, W_c.astype(dz.dtype), 1, 0 if self.vd else 1, out_dtype or _wide(dz))
 
-    def grad_weight_share(self, dz, x_RD):
-        """dz^T x ([cols, D]) or x^T dz ([D, cols]) in fp32 (fp64 for fp64 dz)."""
+    def grad_weight_share(self, dz, x_RD, out_dtype):
+        """dz^T x ([cols, D]) or x^T dz ([D, cols]), accumulated in fp32 (fp64 for fp64 dz)
+        and returned in out_dtype (the accumulator's: a 16-bit one gets no fp32 copy)."""
         x_RD = x_RD.astype(dz.dtype)
-        return contract(dz, x_RD, 0, 0, _wide(dz)) if self.vd else contract(x_RD, dz, 0, 0, _wide(dz))
+        return contract(dz, x_RD, 0, 0, out_dtype) if self.vd else contract(x_RD, dz, 0, 0, out_dtype)
 
     def add_shares(self, dz, x_R, v0, cols: int, dW, db, dx_acc):
         """(dW, db, dx_acc) plus dz [R, cols]'s shares (columns v0..v0+cols; db may be None)."""
         axis = 0 if self.vd else 1
         dx_acc = dx_acc + self.grad_input_share(dz, self.head_cols(v0, cols))
         dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
-        dW = jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R).astype(dW.dtype), v0, axis=axis)
+        dW = jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R, dW.dtype), v0, axis=axis)
         if db is not None:
             db_c = jax.lax.dynamic_slice_in_dim(db, v0, cols) + dz.astype(db.dtype).sum(0)
             db = jax.lax.dynamic_update_slice_in_dim(db, db_c, v0, axis=0)
@@ -145,7 +147,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
     """(loss, lse [N], grads) where grads = (dx, dW, db) for an upstream gradient of 1 if
     with_grads (whole-row blocks), else None."""
     prob = _Problem(x_ND, W, b_V, cw_V, y_N, cfg)
-    rows, n, R = prob.rows, x_ND.shape[0], cfg.block_rows
+    rows, n = prob.rows, x_ND.shape[0]
     opts = cfg.options
     # The gradient of each row for an upstream gradient of 1: "mean" is "sum" scaled by
     # 1 / (the valid rows' summed class weight), a global the row blocks can't see.
@@ -163,30 +165,28 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         block_rows = TargetRows(y_R, valid_R, in_range_R, bad_R, cw_y_R)
         coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
         dz = block_grad(z, v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
-        dx_R = prob.grad_input_share(dz, W).astype(x_R.dtype)
-        dW = dW + prob.grad_weight_share(dz, x_R).astype(dW.dtype)
+        dx_R = prob.grad_input_share(dz, W, x_R.dtype)
+        dW = dW + prob.grad_weight_share(dz, x_R, dW.dtype)
         return (dW, db + dz.astype(jnp.float32).sum(0)), (lse, s_y, ws, dx_R)
 
-    per_row = ((x_ND, 0), (rows.safe_y, 0), (rows.valid, False), (rows.bad, False), (rows.in_range, True), (rows.cw_y, 0))
-    xs = tuple(row_blocks(a, n, R, fill) for a, fill in per_row)
+    per_row = (x_ND, rows.safe_y, rows.valid, rows.bad, rows.in_range, rows.cw_y)
     carry = None
     if with_grads:
         acc = W.dtype if cfg.accumulate_in_input_dtype else jnp.float32
         carry = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
-    carry, outs = jax.lax.scan(row_step, carry, xs)
-    lse, s_y, ws = (a.reshape(-1)[:n] for a in outs[:3])
+    carry, outs = row_loop(row_step, carry, per_row, n, cfg.block_rows)
+    lse, s_y, ws = outs[:3]
     loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, prob.cw_sum, prob.vocab), rows, opts.reduction)
     if not with_grads:
         return loss, lse, None
-    dx = outs[3].reshape(-1, x_ND.shape[1])[:n]
     dW, db = carry
-    return loss, lse, (dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype))
+    return loss, lse, (outs[3], dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype))
 
 
 def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig):
     """(dx, dW, db) recomputing the logits block by block."""
     prob = _Problem(x_ND, W, b_V, cw_V, y_N, cfg)
-    rows, n, R = prob.rows, x_ND.shape[0], cfg.block_rows
+    rows = prob.rows
     opts = cfg.options
     p_coef, t_coef, s_coef = row_coefficients(g_loss, g_lse, lse_N, rows, prob.cw_sum, opts, prob.vocab)
 
@@ -200,15 +200,12 @@ def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig)
 
         dW, db = carry
         dW, db, dx_acc = prob.col_loop(body, (dW, db, jnp.zeros(x_R.shape, jnp.float32)))
-        return (dW, db), dx_acc.astype(x_R.dtype)
+        return (dW, db), (dx_acc.astype(x_R.dtype),)
 
-    # Padding rows have zero coefficients, so their dz is 0.
-    per_row = ((x_ND, 0), (rows.safe_y, 0), (lse_N, 0), (p_coef, 0), (t_coef, 0), (s_coef, 0))
-    xs = tuple(row_blocks(a, n, R, fill) for a, fill in per_row)
+    per_row = (x_ND, rows.safe_y, lse_N, p_coef, t_coef, s_coef)
     acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else jnp.float32
     init = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
-    (dW, db), dx = jax.lax.scan(row_step, init, xs)
-    dx = dx.reshape(-1, x_ND.shape[1])[:n]
+    (dW, db), (dx,) = row_loop(row_step, init, per_row, x_ND.shape[0], cfg.block_rows)
     return dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype)
 
 

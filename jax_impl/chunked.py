@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from interop.options import CrossEntropyOptions
 from jax_impl.matmul import contract
-from jax_impl.rows import TargetRows, compute_dtype, reduce_loss, row_blocks, row_coefficients, row_loss
+from jax_impl.rows import TargetRows, compute_dtype, reduce_loss, row_coefficients, row_loop, row_loss
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedConfig:
@@ -62,9 +62,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: ChunkedConfig):
         s_CV = _capped_logits(x_CD, W, b_V, cfg, dtype)
         return None, _row_stats(s_CV, safe_y, cw, opts.label_smoothing > 0)
 
-    xs = (row_blocks(x_ND, n_rows, cfg.chunk_rows, 0), row_blocks(rows.safe_y, n_rows, cfg.chunk_rows, 0))
-    _, stats = jax.lax.scan(chunk, None, xs)
-    lse_N, s_y, ws = (a.reshape(-1)[:n_rows] for a in stats)
+    _, (lse_N, s_y, ws) = row_loop(chunk, None, (x_ND, rows.safe_y), n_rows, cfg.chunk_rows)
     loss = reduce_loss(row_loss(lse_N, s_y, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
     return loss, lse_N, rows
 
@@ -105,14 +103,11 @@ def _bwd(cfg: ChunkedConfig, res, cotangents):
         dx_CD = contract(dz_in, W, 1, contract_w, dtype)
         dW_C = contract(dz_in, x_CD, 0, 0, dtype) if cfg.weight_layout == "VD" else contract(x_CD, dz_in, 0, 0, dtype)
         dW = dW + dW_C.astype(dW.dtype)
-        return (dW, db + dz_CV.sum(0)), dx_CD.astype(x_CD.dtype)
+        return (dW, db + dz_CV.sum(0)), (dx_CD.astype(x_CD.dtype),)
 
-    # Padding rows get lse = inf, so their p = exp(s - inf) = 0 and they add nothing.
-    per_row = ((x_ND, 0), (lse_N, jnp.inf), (p_coef, 0), (t_coef, 0), (s_coef, 0), (rows.safe_y, 0))
-    xs = tuple(row_blocks(a, n_rows, cfg.chunk_rows, fill) for a, fill in per_row)
+    per_row = (x_ND, lse_N, p_coef, t_coef, s_coef, rows.safe_y)
     init = (jnp.zeros(W.shape, W.dtype if cfg.accumulate_in_input_dtype else dtype), jnp.zeros((vocab,), dtype))
-    (dW, db), dx = jax.lax.scan(chunk, init, xs)
-    dx_ND = dx.reshape(-1, x_ND.shape[1])[:n_rows]
+    (dW, db), (dx_ND,) = row_loop(chunk, init, per_row, n_rows, cfg.chunk_rows)
     return (dx_ND, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype), None, None)
 
 

@@ -23,7 +23,7 @@ from jax_impl.blocked import Head
 from jax_impl.distill_ops import KernelOps, XlaOps
 from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, put_entries, reduce_rows, row_weights,
                                    topk_row_terms)
-from jax_impl.rows import compute_dtype, row_blocks
+from jax_impl.rows import compute_dtype, row_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +74,6 @@ def _running(R: int, dtype):
     return jnp.full((R,), -jnp.inf, dtype), jnp.zeros((R,), dtype), jnp.zeros((R,), dtype)
 
 
-def _scan_rows(row_step, carry, per_row, n: int, R: int):
-    """lax.scan of row_step over row blocks of the per-row arrays ((array, padding value) pairs)."""
-    xs = tuple(row_blocks(a, n, R, fill) for a, fill in per_row)
-    return jax.lax.scan(row_step, carry, xs)
-
-
-def _unblock(a, n: int):
-    return a.reshape((-1,) + a.shape[2:])[:n]
-
-
 def _grad_buffers(cfg: DistillConfig, W, bias: bool):
     acc = cfg.accumulate_dtype(W.dtype)
     db = jnp.zeros((W.shape[0] if cfg.weight_layout == "VD" else W.shape[1],), compute_dtype(W.dtype)) if bias else None
@@ -98,7 +88,7 @@ def _final(g, like):
 
 
 def _teacher_rows(t: TopKTeacher):
-    return ((t.ids, -1), (t.P, 0), (t.logP, 0), (t.entry, False), (t.slot, 0), (t.bad, False))
+    return (t.ids, t.P, t.logP, t.entry, t.slot, t.bad)
 
 
 def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig, with_grads: bool):
@@ -138,15 +128,14 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
         return (dW, db), outs + (dx_R.astype(x_R.dtype),)
 
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
-    per_row = ((x_ND, 0), (y_N, -1), (r_N, 0)) + _teacher_rows(teacher)
+    per_row = (x_ND, y_N, r_N) + _teacher_rows(teacher)
     carry = _grad_buffers(cfg, W, b_V is not None) if with_grads else None
-    carry, outs = _scan_rows(row_step, carry, per_row, n, cfg.block_rows)
-    loss = reduce_rows(_unblock(outs[0], n), valid_N, o.reduction, num_items)
-    saved = tuple(_unblock(a, n) for a in outs[1:5])
+    carry, outs = row_loop(row_step, carry, per_row, n, cfg.block_rows)
+    loss = reduce_rows(outs[0], valid_N, o.reduction, num_items)
     if not with_grads:
-        return loss, saved, None
+        return loss, outs[1:5], None
     dW, db = carry
-    return loss, saved, (_unblock(outs[5], n), _final(dW, W), _final(db, b_V))
+    return loss, outs[1:5], (outs[5], _final(dW, W), _final(db, b_V))
 
 
 def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, saved, cfg: DistillConfig):
@@ -164,12 +153,12 @@ def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num
             return head.add_shares(put_entries(dz, v0, ids_R, g.at_ids), x_R, v0, cols, *c)
 
         dW, db, dx_R = head.col_loop(body, carry + (jnp.zeros(x_R.shape, wide),))
-        return (dW, db), dx_R.astype(x_R.dtype)
+        return (dW, db), (dx_R.astype(x_R.dtype),)
 
     r_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide)
-    per_row = ((x_ND, 0), (y_N, -1), (r_N, 0)) + tuple((a, 0) for a in saved) + _teacher_rows(teacher)
-    (dW, db), dx = _scan_rows(row_step, _grad_buffers(cfg, W, b_V is not None), per_row, n, cfg.block_rows)
-    return _unblock(dx, n), _final(dW, W), _final(db, b_V)
+    per_row = (x_ND, y_N, r_N) + tuple(saved) + _teacher_rows(teacher)
+    (dW, db), (dx,) = row_loop(row_step, _grad_buffers(cfg, W, b_V is not None), per_row, n, cfg.block_rows)
+    return dx, _final(dW, W), _final(db, b_V)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -244,12 +233,11 @@ def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, w
 
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
     carry = _grad_buffers(cfg, W, False)[0] if with_grads else None
-    carry, outs = _scan_rows(row_step, carry, ((x_ND, 0), (xt_ND, 0), (r_N, 0)), n, cfg.block_rows)
-    loss = reduce_rows(_unblock(outs[0], n), valid_N, o.reduction, num_items)
-    saved = tuple(_unblock(a, n) for a in outs[1:4])
+    carry, outs = row_loop(row_step, carry, (x_ND, xt_ND, r_N), n, cfg.block_rows)
+    loss = reduce_rows(outs[0], valid_N, o.reduction, num_items)
     if not with_grads:
-        return loss, saved, None
-    return loss, saved, (_unblock(outs[4], n), _final(carry, W))
+        return loss, outs[1:4], None
+    return loss, outs[1:4], (outs[4], _final(carry, W))
 
 
 def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: DistillConfig):
@@ -268,12 +256,12 @@ def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: 
             return dW, dx
 
         dW, dx_R = student.col_loop(body, (dW, jnp.zeros(x_R.shape, wide)))
-        return dW, dx_R.astype(x_R.dtype)
+        return dW, (dx_R.astype(x_R.dtype),)
 
     coef_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide) * (o.scale / o.temperature)
-    per_row = ((x_ND, 0), (xt_ND, 0), (coef_N, 0)) + tuple((a, 0) for a in saved)
-    dW, dx = _scan_rows(row_step, _grad_buffers(cfg, W, False)[0], per_row, n, cfg.block_rows)
-    return _unblock(dx, n), _final(dW, W)
+    per_row = (x_ND, xt_ND, coef_N) + tuple(saved)
+    dW, (dx,) = row_loop(row_step, _grad_buffers(cfg, W, False)[0], per_row, n, cfg.block_rows)
+    return dx, _final(dW, W)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

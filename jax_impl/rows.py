@@ -1,7 +1,7 @@
 """Per-row pieces of the spec (interop/SPEC.md) that every JAX path shares: target facts,
 the loss from per-row statistics (lse, s_y, ws = sum_j cw_j s_j), the gradient
-coefficients (P, T, S) with ds_ij = P_i p_ij - T_i [j == y_i] - S_i cw_j, and the row
-padding of the block loops."""
+coefficients (P, T, S) with ds_ij = P_i p_ij - T_i [j == y_i] - S_i cw_j, and the loop over
+row blocks."""
 
 from __future__ import annotations
 
@@ -77,10 +77,28 @@ def row_coefficients(g_loss, g_lse, lse, rows: TargetRows, cw_sum, opts: CrossEn
     return p_coef, t_coef, r * eps / vocab
 
 
-def row_blocks(a, n_rows: int, block_rows: int, fill):
-    """[N, ...] -> [N_blocks, R, ...], padding the last block with `fill`."""
-    n_blocks = -(-n_rows // block_rows)
-    pad = n_blocks * block_rows - n_rows
-    if pad:
-        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
-    return a.reshape((n_blocks, block_rows) + a.shape[1:])
+def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int):
+    """(carry, outs) of row_step over blocks of block_rows (<= n_rows) rows: a loop over the
+    full blocks and one call for the remainder (static), so no input is padded and every
+    block's rows are new.
+
+    row_step(carry, xs) -> (carry, ys): xs holds the block's rows of each per-row array
+    ([N, ...] -> [R, ...]); ys is a tuple of [R, ...] arrays, written into outs ([N, ...]
+    each) in place.
+    """
+    rows_of = lambda start, size: tuple(jax.lax.dynamic_slice_in_dim(a, start, size) for a in per_row)
+    n_full, rest = divmod(n_rows, block_rows)
+    if n_full == 1 and not rest:
+        return row_step(carry, per_row)
+    block = tuple(jax.ShapeDtypeStruct((block_rows,) + a.shape[1:], a.dtype) for a in per_row)
+    shapes = jax.eval_shape(row_step, carry, block)[1]
+    outs = tuple(jnp.zeros((n_rows,) + s.shape[1:], s.dtype) for s in shapes)
+
+    def step(start, size, state):
+        carry, ys = row_step(state[0], rows_of(start, size))
+        return carry, tuple(jax.lax.dynamic_update_slice_in_dim(o, y, start, 0) for o, y in zip(state[1], ys))
+
+    state = (carry, outs)
+    if n_full:  # (no rows: no loop)
+        state = jax.lax.fori_loop(0, n_full, lambda i, st: step(i * block_rows, block_rows, st), state)
+    return step(n_full * block_rows, rest, state) if rest else state
