@@ -29,22 +29,24 @@ from torch_impl.rows import compute_dtype
 
 
 def plan_distillation(strategy: str, n_rows: int, hidden: int, vocab: int, dtype, accumulate_in_input_dtype: bool,
-                      buffers: int = 1):
+                      buffers: int = 1, gathered_rows: bool = False):
     """(BlockPlan, ops) of "speed" / "memory" (Triton kernels) or "chunked" (PyTorch ops
-    on row chunks of whole rows); buffers: 2 when a dense teacher's logits are blocked too."""
+    on row chunks of whole rows); n_rows: the rows computed; buffers: 2 when a dense
+    teacher's logits are blocked too; gathered_rows: the rows are gathered (HeadBlocks.active)."""
     wide = compute_dtype(dtype)
     if strategy == "chunked":
         rows = default_chunk_rows(n_rows, hidden, vocab)
         return BlockPlan("chunked", rows, vocab, dtype if accumulate_in_input_dtype else wide), TorchOps
     itemsize = torch.empty((), dtype=dtype).element_size()
-    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, buffers, narrow_accumulator=accumulate_in_input_dtype)
+    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, buffers, gathered_rows=gathered_rows,
+                             narrow_accumulator=accumulate_in_input_dtype)
     acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
     return BlockPlan(strategy, rows, cols, acc), KernelOps
 
 
-def _head(x, W, b, layout, plan, ops, vocab=None) -> HeadBlocks:
+def _head(x, W, b, layout, plan, ops, vocab=None, active=None) -> HeadBlocks:
     dtype = compute_dtype(x.dtype) if ops.logits_dtype == "compute" else None
-    return HeadBlocks(x, W, b, layout, plan, vocab=vocab, logits_dtype=dtype)
+    return HeadBlocks(x, W, b, layout, plan, vocab=vocab, logits_dtype=dtype, active=active)
 
 
 def _running(R: int, dtype, device):
@@ -57,12 +59,14 @@ def _running(R: int, dtype, device):
 
 
 def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistillationOptions, layout, plan, ops,
-                 num_items, grads_now=(False, False, False)):
+                 num_items, grads_now=(False, False, False), active=None):
     """(loss, saved, grads): saved = (lse_T, lse_1, s_ids, s_y) per row for the backward
     pass; grads = (dx, dW, db) for an upstream gradient of 1 if any of grads_now is set.
-    y_N: int64, -1 where there is no (valid, in-range) target."""
-    blocks = _head(x_ND, W, b_V, layout, plan, ops)
-    n, dev, K = x_ND.shape[0], x_ND.device, teacher.ids.shape[1]
+    y_N: int64, -1 where there is no (valid, in-range) target. active: int64 [A], the only
+    rows of x computed (HeadBlocks), or None; the teacher, y_N, valid_N, the losses and
+    saved are then over those A rows, dx over all of x's."""
+    blocks = _head(x_ND, W, b_V, layout, plan, ops, active=active)
+    n, dev, K = blocks.n_rows, x_ND.device, teacher.ids.shape[1]
     wide = compute_dtype(x_ND.dtype)
     two = o.weight_hard > 0 and o.temperature != 1.0
     lse_T, lse_1, s_y = (torch.empty(n, dtype=wide, device=dev) for _ in range(3))
@@ -91,57 +95,71 @@ def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistil
             g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
             dz = ops.grad(z, 0, b_V, y_N[rs], o.softcap, 1.0 / o.temperature, lse_T[rs], g.p1, g.ty, g.second)
             ops.put_(dz, 0, teacher.ids[rs], g.at_ids)
-            blocks.add_grads(dz, rs, 0, blocks.vocab, None if dx is None else dx[rs], dW, db)
+            dx_R = None if dx is None else blocks.dx_rows(dx, rs)
+            blocks.add_grads(dz, rs, 0, blocks.vocab, dx_R, dW, db)
+            if dx_R is not None:
+                blocks.scatter_dx_rows(dx, rs, dx_R)
     total = reduce_rows(loss, valid_N, o.reduction, num_items)
     z = dz = blocks = None  # the logits buffer goes before dW's conversion allocates its result
     return total, (lse_T, lse_1, s_ids, s_y), (dx, _final(dW, W), _final(db, b_V))
 
 
 def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
-                  need=(True, True, True)):
-    """(dx, dW, db) recomputing the logits block by block; None where not needed."""
-    blocks = _head(x_ND, W, b_V, layout, plan, ops)
+                  need=(True, True, True), active=None):
+    """(dx, dW, db) recomputing the logits block by block; None where not needed; active
+    as for topk_forward."""
+    blocks = _head(x_ND, W, b_V, layout, plan, ops, active=active)
     lse_T, lse_1, s_ids, s_y = saved
     r_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_T.dtype)
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
     for rs in blocks.row_blocks():
         _, A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], s_y[rs], teacher, rs, o)
         g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
+        dx_out = _dx_out(blocks, dx, dx_acc, rs)
         for v0, cols in blocks.col_blocks():
             dz = ops.grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], o.softcap, 1.0 / o.temperature, lse_T[rs],
                           g.p1, g.ty, g.second)
             ops.put_(dz, v0, teacher.ids[rs], g.at_ids)
-            _add(blocks, dz, rs, v0, cols, dx, dx_acc, dW, db)
-        _flush(dx, dx_acc, rs)
+            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+        _store_dx(blocks, dx, dx_acc, dx_out, rs)
     dz = blocks = dx_acc = None
     return dx, _final(dW, W), _final(db, b_V)
 
 
-def _add(blocks: HeadBlocks, dz, rs, v0, cols, dx, dx_acc, dW, db) -> None:
-    dx_out = None if dx is None else (dx[rs] if dx_acc is None else dx_acc[: rs.stop - rs.start])
-    blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+def _dx_out(blocks: HeadBlocks, dx, dx_acc, rs):
+    """Where row block rs's grad_input shares go: the fp32 accumulator (rows spanning several
+    column blocks), else dx's rows (`HeadBlocks.dx_rows`); None without dx."""
+    if dx is None:
+        return None
+    return blocks.dx_rows(dx, rs) if dx_acc is None else dx_acc[: rs.stop - rs.start]
 
 
-def _flush(dx, dx_acc, rs) -> None:
-    if dx_acc is not None:
-        dx[rs] = dx_acc[: rs.stop - rs.start]
+def _store_dx(blocks: HeadBlocks, dx, dx_acc, dx_out, rs) -> None:
+    """After row block rs: `_dx_out`'s block into dx's rows (the accumulator zeroed for the next)."""
+    if dx is None:
+        return
+    if dx_acc is None:
+        blocks.scatter_dx_rows(dx, rs, dx_out)
+    else:
+        blocks.put_dx_rows(dx, rs, dx_out)
         dx_acc.zero_()
 
 
 class TopKDistillation(torch.autograd.Function):
     """Over flattened rows: x [N, D], W, b [V] or None; returns the reduced loss (fp32, or
     fp64 for fp64 inputs). Non-tensor arguments: the teacher (TopKTeacher), y [N] int64 (-1:
-    none), valid [N], options, layout, plan, ops, num_items (None, a number or a 0-d tensor)."""
+    none), valid [N], options, layout, plan, ops, num_items (None, a number or a 0-d tensor),
+    active (int64 [A] or None: the only rows computed; the teacher, y and valid then [A])."""
 
     @staticmethod
-    def forward(ctx, x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items):
+    def forward(ctx, x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items, active):
         need = ctx.needs_input_grad[:3]
         vocab = W.shape[0] if layout == "VD" else W.shape[1]
         in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
         loss, saved, grads = topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items,
-                                          need if in_forward else (False, False, False))
+                                          need if in_forward else (False, False, False), active)
         ctx.in_forward, ctx.grads = in_forward, grads if in_forward else None
-        ctx.args = (teacher, y_N, valid_N, o, layout, plan, ops, num_items)
+        ctx.args = (teacher, y_N, valid_N, o, layout, plan, ops, num_items, active)
         if not in_forward:
             ctx.save_for_backward(x_ND, W, b_V, *saved)
         ctx.set_materialize_grads(False)
@@ -149,16 +167,16 @@ class TopKDistillation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        none = (None,) * 8
+        none = (None,) * 9
         if grad_loss is None:
             return (None, None, None) + none
         if ctx.in_forward:
             grads, ctx.grads = ctx.grads, None
             return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
         x_ND, W, b_V, *saved = ctx.saved_tensors
-        teacher, y_N, valid_N, o, layout, plan, ops, num_items = ctx.args
+        teacher, y_N, valid_N, o, layout, plan, ops, num_items, active = ctx.args
         grads = topk_backward(grad_loss, x_ND, W, b_V, teacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
-                              ctx.needs_input_grad[:3])
+                              ctx.needs_input_grad[:3], active)
         return tuple(grads) + none
 
 
@@ -174,12 +192,13 @@ def _divergence(a, b, o: DenseDistillationOptions):
 
 
 def dense_forward(x_ND, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layout, vocab, plan, ops, num_items,
-                  grads_now=(False, False)):
+                  grads_now=(False, False), active=None):
     """(loss, saved, grads) over the first `vocab` classes of both heads: saved = (lse_s,
-    lse_t, b) per row; grads = (dx, dW) for an upstream gradient of 1 if grads_now."""
-    student = _head(x_ND, W, None, layout, plan, ops, vocab)
-    teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab)
-    n, dev, wide = x_ND.shape[0], x_ND.device, compute_dtype(x_ND.dtype)
+    lse_t, b) per row; grads = (dx, dW) for an upstream gradient of 1 if grads_now. active
+    as for topk_forward (valid_N, the losses and saved over its rows)."""
+    student = _head(x_ND, W, None, layout, plan, ops, vocab, active)
+    teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab, active)
+    n, dev, wide = student.n_rows, x_ND.device, compute_dtype(x_ND.dtype)
     lse_s, lse_t, kl_q = (torch.empty(n, dtype=wide, device=dev) for _ in range(3))
     loss = torch.empty(n, dtype=wide, device=dev)
     no_y = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -203,25 +222,30 @@ def dense_forward(x_ND, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layo
         loss[rs], kl_q[rs] = o.scale * _divergence(a, b, o), b
         if in_forward:
             dz = ops.pair_grad(s, t, lse_s[rs], lse_t[rs], b, r_N[rs] * (o.scale / o.temperature), o)
-            student.add_grads(dz, rs, 0, vocab, None if dx is None else dx[rs], dW, None)
+            dx_R = None if dx is None else student.dx_rows(dx, rs)
+            student.add_grads(dz, rs, 0, vocab, dx_R, dW, None)
+            if dx_R is not None:
+                student.scatter_dx_rows(dx, rs, dx_R)
     total = reduce_rows(loss, valid_N, o.reduction, num_items)
     s = t = dz = student = teacher = None
     return total, (lse_s, lse_t, kl_q), (dx, _final(dW, W))
 
 
-def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items, need=(True, True)):
+def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items, need=(True, True),
+                   active=None):
     """(dx, dW) recomputing both heads' logits block by block; None where not needed."""
-    student = _head(x_ND, W, None, layout, plan, ops, vocab)
-    teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab)
+    student = _head(x_ND, W, None, layout, plan, ops, vocab, active)
+    teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab, active)
     lse_s, lse_t, kl_q = saved
     coef_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_s.dtype) * (o.scale / o.temperature)
     dx, dx_acc, dW, _ = student.gradient_buffers(*need, False)
     for rs in student.row_blocks():
+        dx_out = _dx_out(student, dx, dx_acc, rs)
         for v0, cols in student.col_blocks():
             s, t = student.logits(rs, v0, cols), teacher.logits(rs, v0, cols)
             dz = ops.pair_grad(s, t, lse_s[rs], lse_t[rs], kl_q[rs], coef_N[rs], o)
-            _add(student, dz, rs, v0, cols, dx, dx_acc, dW, None)
-        _flush(dx, dx_acc, rs)
+            student.add_grads(dz, rs, v0, cols, dx_out, dW, None, dx_accumulate=dx_acc is not None)
+        _store_dx(student, dx, dx_acc, dx_out, rs)
     s = t = dz = student = teacher = dx_acc = None
     return dx, _final(dW, W)
 
@@ -229,16 +253,17 @@ def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, voc
 class DenseDistillation(torch.autograd.Function):
     """Over flattened rows: student x [N, D] and W, teacher xt [N, Dt] and Wt (no gradient);
     returns the reduced loss (fp32, fp64 for fp64 inputs). Non-tensor arguments: valid [N],
-    options, layout, vocab (min of both), plan, ops, num_items."""
+    options, layout, vocab (min of both), plan, ops, num_items, active (as for
+    TopKDistillation; valid then [A])."""
 
     @staticmethod
-    def forward(ctx, x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items):
+    def forward(ctx, x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items, active):
         need = ctx.needs_input_grad[:2]
         in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
         loss, saved, grads = dense_forward(x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items,
-                                           need if in_forward else (False, False))
+                                           need if in_forward else (False, False), active)
         ctx.in_forward, ctx.grads = in_forward, grads if in_forward else None
-        ctx.args = (valid_N, o, layout, vocab, plan, ops, num_items)
+        ctx.args = (valid_N, o, layout, vocab, plan, ops, num_items, active)
         if not in_forward:
             ctx.save_for_backward(x_ND, W, xt_ND, Wt, *saved)
         ctx.set_materialize_grads(False)
@@ -246,14 +271,14 @@ class DenseDistillation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        none = (None,) * 9
+        none = (None,) * 10
         if grad_loss is None:
             return (None, None) + none
         if ctx.in_forward:
             grads, ctx.grads = ctx.grads, None
             return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
         x_ND, W, xt_ND, Wt, *saved = ctx.saved_tensors
-        valid_N, o, layout, vocab, plan, ops, num_items = ctx.args
+        valid_N, o, layout, vocab, plan, ops, num_items, active = ctx.args
         grads = dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items,
-                               ctx.needs_input_grad[:2])
+                               ctx.needs_input_grad[:2], active)
         return tuple(grads) + none

@@ -128,12 +128,13 @@ def linear_topk_distillation(
     wide = compute_dtype(input.dtype)
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, V)
     rows = _valid_rows_only(strategy, valid, shape.hidden, V)
-    if rows is not None:  # the rows left out contribute nothing: give the kernels only the others
-        x_ND, ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (x_ND, ids, logprobs, y_kernel, valid))
+    if rows is not None:  # the rows left out contribute nothing: the kernels compute only the others
+        ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (ids, logprobs, y_kernel, valid))
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
-    plan, ops = plan_distillation(strategy, x_ND.shape[0], shape.hidden, V, input.dtype, accumulate_in_input_dtype)
+    plan, ops = plan_distillation(strategy, valid.shape[0], shape.hidden, V, input.dtype, accumulate_in_input_dtype,
+                                  gathered_rows=rows is not None)
     loss = TopKDistillation.apply(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, o, weight_layout, plan, ops,
-                                  _num_items(num_items_in_batch, wide, dev))
+                                  _num_items(num_items_in_batch, wide, dev), rows)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 
 
@@ -193,9 +194,9 @@ def linear_distillation(
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab)
     rows = _valid_rows_only(strategy, valid, shape.hidden, vocab)
     if rows is not None:
-        x_ND, xt_ND, valid = (t.index_select(0, rows) for t in (x_ND, xt_ND, valid))
-    plan, ops = plan_distillation(strategy, x_ND.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,
-                                  buffers=2)
+        valid = valid.index_select(0, rows)
+    plan, ops = plan_distillation(strategy, valid.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,
+                                  buffers=2, gathered_rows=rows is not None)
     loss = DenseDistillation.apply(x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid, o, weight_layout, vocab,
-                                   plan, ops, _num_items(num_items_in_batch, compute_dtype(input.dtype), dev))
+                                   plan, ops, _num_items(num_items_in_batch, compute_dtype(input.dtype), dev), rows)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
