@@ -136,7 +136,7 @@ def run(shapes, ks, dtype, device, repeat, log, only=None, dense=True):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.distill", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="L,G")
-    parser.add_argument("--k", default="32,128")
+    parser.add_argument("--k", default="32,128", help='comma-separated K of the top-K losses ("" for none)')
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
@@ -153,7 +153,7 @@ def main(argv=None):
               f" dW {r['grad_W_err']:.1e}", flush=True)
 
     only = None if args.methods is None else set(args.methods.split(","))
-    rows = run(args.shapes.split(","), [int(k) for k in args.k.split(",")], torch.bfloat16, device, args.repeat, log, only,
+    rows = run(args.shapes.split(","), [int(k) for k in args.k.split(",") if k], torch.bfloat16, device, args.repeat, log, only,
                dense=not args.no_dense)
     if args.json:
         with open(args.json, "w") as f:
