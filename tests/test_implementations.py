@@ -141,6 +141,28 @@ def test_block_rules_split_these_problems(small_chunks):
     assert memory.block_rows == 4 and 4 <= memory.block_cols < 53 and 53 % memory.block_cols
 
 
+@pytest.mark.parametrize("n_rows, block_rows", [(13, 4), (12, 4), (13, 13), (0, 1)])
+def test_jax_row_loop_visits_each_row_once(n_rows, block_rows):
+    """jax_impl.rows.row_loop: blocks of block_rows rows in order, the last one the
+    remainder (no row twice, none padded), per-row outputs back in their rows."""
+    import jax.numpy as jnp
+
+    from jax_impl.rows import row_loop
+
+    x = jnp.arange(n_rows * 3, dtype=jnp.float32).reshape(n_rows, 3)
+    ids = jnp.arange(n_rows, dtype=jnp.int32)
+
+    def row_step(carry, xs):
+        x_R, ids_R = xs
+        total, blocks = carry
+        return (total + x_R.sum(), blocks + 1), (x_R * 2, ids_R + 100 * blocks)
+
+    (total, blocks), (doubled, tagged) = row_loop(row_step, (jnp.float32(0), jnp.int32(0)), (x, ids), n_rows, block_rows)
+    assert float(total) == float(x.sum()) and int(blocks) == -(-n_rows // block_rows)
+    np.testing.assert_array_equal(np.asarray(doubled), 2 * np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(tagged), np.arange(n_rows) + 100 * (np.arange(n_rows) // block_rows))
+
+
 def test_speed_blocks_grow_with_a_16_bit_accumulator():
     """"speed" blocks take NARROW_SPEED_BLOCK_GROWTH x the logits when grad_weight is
     accumulated in a 16-bit input dtype with one logits buffer and the head is large enough
