@@ -49,6 +49,13 @@ def _capped(z_ref, b_ref, row, v0, start, block, mask, cap):
     return s
 
 
+def column_loop(C: int, block: int, body, init):
+    """fori_loop of body(i, carry) over the ceil(C / block) column tiles of a row, with an
+    int32 index (like pl.program_id's) also when JAX's 64-bit mode is on: the kernels'
+    indices must share one integer type."""
+    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(C, block)), body, init)
+
+
 def _store_scalar(ref, row, value):
     plt.store(ref.at[pl.ds(row, 1)], jnp.reshape(value, (1,)))
 
@@ -85,7 +92,7 @@ def _stats_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, need_ws
 
     zeros = jnp.zeros((block,), jnp.float32)
     init = (jnp.full((block,), ninf), zeros, zeros, zeros)
-    m_vec, l_vec, sy_vec, ws_vec = jax.lax.fori_loop(0, pl.cdiv(C, block), body, init)
+    m_vec, l_vec, sy_vec, ws_vec = column_loop(C, block, body, init)
     m_old = _load_scalar(m_in, row)
     m = jnp.maximum(m_old, jnp.max(m_vec))
     m_safe = jnp.where(m == ninf, 0.0, m)
@@ -126,7 +133,7 @@ def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, 
         plt.store(dz_ref.at[row, pl.ds(start, block)], dz.astype(dz_ref.dtype), mask=mask)
         return carry
 
-    jax.lax.fori_loop(0, pl.cdiv(C, block), body, 0)
+    column_loop(C, block, body, 0)
 
 
 def v0_array(v0):

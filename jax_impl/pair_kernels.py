@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jax_impl.kernels import TRITON_PARAMS, _block, _load_scalar, _store_scalar
+from jax_impl.kernels import TRITON_PARAMS, _block, _load_scalar, _store_scalar, column_loop
 
 
 def _log_probs(s_ref, t_ref, row, start, block, mask, inv_t, lse_s, lse_t):
@@ -54,7 +54,7 @@ def _sums_kernel(s_ref, t_ref, lse_s_ref, lse_t_ref, a_in, b_in, a_out, b_out, *
         return a_vec, b_vec
 
     zeros = jnp.zeros((block,), jnp.float32)
-    a_vec, b_vec = jax.lax.fori_loop(0, pl.cdiv(C, block), body, (zeros, zeros))
+    a_vec, b_vec = column_loop(C, block, body, (zeros, zeros))
     _store_scalar(a_out, row, _load_scalar(a_in, row) + jnp.sum(a_vec))
     _store_scalar(b_out, row, _load_scalar(b_in, row) + jnp.sum(b_vec))
 
@@ -77,7 +77,7 @@ def _grad_kernel(s_ref, t_ref, lse_s_ref, lse_t_ref, b_ref, coef_ref, dz_ref, *,
         plt.store(dz_ref.at[row, pl.ds(start, block)], (coef * g).astype(dz_ref.dtype), mask=mask)
         return carry
 
-    jax.lax.fori_loop(0, pl.cdiv(C, block), body, 0)
+    column_loop(C, block, body, 0)
 
 
 def pair_sums(s_RC, t_RC, lse_s_R, lse_t_R, sums, divergence: str, temperature: float, beta: float, interpret: bool):

@@ -59,6 +59,20 @@ def test_matches_reference(framework, strategy, kind, name, dtype):
     assert ("grad_b" in result) == (p.b is not None)
 
 
+@pytest.mark.parametrize("kind, name", [("topk", "T2-hard-bias"), ("dense", "jsd-none-bigger-teacher-dv")])
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_jax_kernels_with_x64_on(strategy, kind, name):
+    """The JAX kernels (the dense teacher's pair kernels too) with JAX's 64-bit mode on."""
+    import jax
+
+    p, options, g, count, scale = case_inputs(kind, name, "float32")
+    with jax.enable_x64(True):
+        result = run("jax", strategy, p, options, g, count)
+    tol = tolerance("float32", scale)
+    for key, err in errors(result, reference(p, options, g, count)).items():
+        assert err <= tol, f"{key}: relative error {err:.3g} > {tol:.3g}"
+
+
 @pytest.mark.parametrize("kind, name", [("topk", "T2-hard-bias"), ("topk", "tail-none-softcap-dups"),
                                         ("dense", "jsd-none-bigger-teacher-dv")])
 @pytest.mark.parametrize("strategy", ["speed", "memory"])

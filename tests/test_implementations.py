@@ -57,6 +57,20 @@ def test_matches_reference(impl, case, dtype, layout):
     assert {"grad_x", "grad_W"} <= result.keys() and ("grad_b" in result) == (p.b is not None)
 
 
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_jax_kernels_with_x64_on(strategy):
+    """With JAX's 64-bit mode on (common in scientific code) a loop over Python ints counts
+    in int64; the kernels keep their indices in one integer type and match the reference."""
+    import jax
+
+    options = dict(label_smoothing=0.1, reduction="none")
+    p = make_problem(5, dtype="float32", bias=True, class_weights=True)
+    g_out, _ = upstream_grads(5, p, "none", False)
+    with jax.enable_x64(True):
+        result = IMPLEMENTATIONS[f"jax-{strategy}"].run(p, options, g_out, None)
+    check_against_reference(result, reference(p, options, g_out, None), "float32")
+
+
 @pytest.mark.parametrize("wrt", [("x",), ("W",), ("b",), ("x", "b")])
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 def test_only_some_inputs_require_grad(impl, wrt):
