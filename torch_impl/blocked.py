@@ -50,7 +50,7 @@ def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torc
                 filter_eps: float | None = None, gathered_rows: bool = False) -> BlockPlan:
     """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
     n_rows: the rows computed; gathered_rows: they are gathered from x (HeadBlocks.active)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
                              narrow_accumulator=accumulate_in_input_dtype)
     if strategy == "speed":

@@ -37,7 +37,7 @@ def plan_distillation(strategy: str, n_rows: int, hidden: int, vocab: int, dtype
     if strategy == "chunked":
         rows = default_chunk_rows(n_rows, hidden, vocab)
         return BlockPlan("chunked", rows, vocab, dtype if accumulate_in_input_dtype else wide), TorchOps
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, buffers, gathered_rows=gathered_rows,
                              narrow_accumulator=accumulate_in_input_dtype)
     acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
