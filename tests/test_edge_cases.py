@@ -118,6 +118,34 @@ def test_out_of_range_target_is_nan_under_jit():
     assert np.all(np.isnan(result["grad_x"][bad])) and rel_err(result["grad_x"][good], ref.grad_input[good]) <= tolerance("float32")
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["fwd-bwd", "fwd-only"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_torch_kernels_check_targets_once_behind_the_first_product(monkeypatch, strategy, reduction, grad):
+    """The kernel path queues the targets' check after the first logits product (the GPU starts
+    on the product while the host prepares the rest), once per call, backward included; a bad
+    target then still raises, naming it."""
+    import torch
+
+    from torch_impl import blocked, ce_kernels, functional
+
+    events = []
+    check_targets, logits = ce_kernels.check_targets, blocked.HeadBlocks.logits
+    monkeypatch.setattr(ce_kernels, "check_targets", lambda *a: events.append("check") or check_targets(*a))
+    monkeypatch.setattr(blocked.HeadBlocks, "logits", lambda *a: events.append("logits") or logits(*a))
+    p = _out_of_range_problem()
+    x, W = torch.from_numpy(p.x).requires_grad_(grad), torch.from_numpy(p.W)
+    good_y = torch.from_numpy(np.where((p.y >= 0) & (p.y < p.vocab), p.y, -100))
+    loss = functional.linear_cross_entropy(x, W, good_y, reduction=reduction, strategy=strategy)
+    if grad:
+        loss.sum().backward()
+    assert events[0] == "logits" and events.count("check") == 1, events
+    events.clear()
+    with pytest.raises(ValueError, match=f"target holds {p.vocab}"):
+        functional.linear_cross_entropy(x, W, torch.from_numpy(p.y), reduction=reduction, strategy=strategy)
+    assert events[0] == "logits" and events.count("check") == 1, events
+
+
 @pytest.mark.parametrize("strategy", ["chunked", "speed", "memory"])
 def test_torch_compiled_model_runs_the_loss_eagerly(strategy):
     """Inside torch.compile the loss is an opaque call: the result and gradients equal eager's,

@@ -29,7 +29,7 @@ import torch
 
 from interop.blocking import block_shape, weight_grad_slabs
 from interop.options import CrossEntropyOptions
-from torch_impl.ce_kernels import RowMath
+from torch_impl.ce_kernels import RowMath, TargetCheck
 from torch_impl.kernels import FILTER_COLS, TileFilter, block_grad_, block_stats_
 
 GATHER_SHARE = 0.25  # filtering gathers the kept tiles' columns when at most this share of tiles is kept
@@ -282,12 +282,12 @@ class _Blocks(HeadBlocks):
     """A cross-entropy call: the head's blocks plus the per-row math of its targets and options."""
 
     def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan,
-                 denominator=None, active=None):
+                 check: TargetCheck | None = None, active=None):
         super().__init__(x_ND, W, b_V, weight_layout, plan, active=active)
         self.opts = opts
         self.cw = None if cw_V is None else cw_V.float()
         self.y = self.active_rows(y_N.to(torch.int64))
-        self.rows = RowMath(self.y, self.cw, opts, self.vocab, denominator)
+        self.rows = RowMath(self.y, self.cw, opts, self.vocab, check)
 
     def tile_filter(self, rs: slice) -> TileFilter | None:
         """A fresh TileFilter for the whole rows rs when the plan filters, else None."""
@@ -335,12 +335,13 @@ class _Blocks(HeadBlocks):
 
 
 def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False),
-            denominator=None, active=None):
+            check: TargetCheck | None = None, active=None):
     """Loss (reduced, or [N] for "none"), lse (fp32, [N], or [A] over `active`) and, if any of
     grads_now = (x, W, b) is set, those gradients for an upstream gradient of 1 (else None):
-    (loss, lse, dx, dW, db). denominator: the mean's (ce_kernels.check_targets), or None to
-    compute it here. active: int64 [A], the only rows computed (HeadBlocks), or None."""
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, denominator, active)
+    (loss, lse, dx, dW, db). check: the call's TargetCheck over all of y (launched here, after
+    the first logits product), or None to check y here. active: int64 [A], the only rows
+    computed (HeadBlocks), or None."""
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, check, active)
     n, dev = blocks.n_rows, x_ND.device
     lse, loss = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
     in_forward = any(grads_now)
@@ -372,10 +373,10 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
 
 
 def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True),
-             denominator=None, active=None):
+             check: TargetCheck | None = None, active=None):
     """(dx, dW, db) by recomputing the logits block by block; None for what is not needed.
     grad_loss: 0-d, or [N] for "none"; grad_lse [N] or None; lse as `forward` gave it."""
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, denominator, active)
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, check, active)
     if grad_loss is None:
         grad_loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
     elif grad_loss.ndim:

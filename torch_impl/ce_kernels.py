@@ -8,9 +8,10 @@ preset those launches, not the GPU, set the time).
 - `ce_coefficients_`: the coefficients (P, T, S) of dz from lse and the upstream gradients.
 
 Targets are int64 and may be anything: ignore_index, out of range (NaN loss and P), or a
-class. The row math is fp32. `mean` divides by `denominator`, a device scalar
-(`check_targets`, which also counts bad targets), so that no value has to come back to the
-host before the work is queued.
+class. The row math is fp32. `mean` divides by a device scalar (`TargetCheck`, which also
+counts bad targets), so that no value has to come back to the host before the work is
+queued; the check is launched by the first per-row kernel, after the first logits product,
+so that the GPU starts on the product while the host still prepares the rest.
 """
 
 from __future__ import annotations
@@ -160,17 +161,59 @@ def check_targets(y_N: torch.Tensor, cw_V, ignore_index: int, vocab: int) -> tor
     return out
 
 
+class TargetCheck:
+    """`check_targets` of one call, launched on first use: `denominator` (0-d fp32, on y's
+    device) for the mean, and `bad_count()` on the host. The bad count is copied to pinned
+    memory right behind the check, so the host waits for the check, not for the work queued
+    after it."""
+
+    def __init__(self, y_N: torch.Tensor, cw_V, ignore_index: int, vocab: int):
+        self._args = (y_N, cw_V, ignore_index, vocab)
+        self._counts = None  # [2] fp32 on the device once launched
+        self._bad = None  # the bad count on the host (pinned), behind `_event`
+        self._event = None
+
+    def launch(self) -> None:
+        """Queue the check (once)."""
+        if self._counts is not None:
+            return
+        self._counts = check_targets(*self._args)
+        if self._counts.is_cuda:
+            self._bad = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            self._bad.copy_(self._counts[:1], non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(self._counts.device))
+        else:
+            self._bad = self._counts[:1]
+
+    @property
+    def denominator(self) -> torch.Tensor:
+        self.launch()
+        return self._counts[1]
+
+    def bad_count(self) -> int:
+        """The number of targets outside [0, V) that are not ignore_index (waits for the check)."""
+        self.launch()
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._bad.item())
+
+
 class RowMath:
     """The options and per-call tensors the per-row kernels share: targets y [N] (int64),
-    class weights cw [V] (fp32) or None and their sum, the mean's denominator (0-d fp32;
-    `check_targets` gives it when not passed)."""
+    class weights cw [V] (fp32) or None and their sum, and the call's `TargetCheck` (made
+    here over y when not given), launched by the first per-row kernel."""
 
-    def __init__(self, y_N: torch.Tensor, cw_V, opts: CrossEntropyOptions, vocab: int, denominator=None):
+    def __init__(self, y_N: torch.Tensor, cw_V, opts: CrossEntropyOptions, vocab: int, check: TargetCheck | None = None):
         self.y, self.cw, self.opts, self.vocab = y_N, cw_V, opts, vocab
         self.cw_sum = None if cw_V is None else cw_V.sum()
-        if opts.reduction == "mean" and denominator is None:
-            denominator = check_targets(y_N, cw_V, opts.ignore_index, vocab)[1]
-        self.denominator = denominator if opts.reduction == "mean" else None
+        self.check = TargetCheck(y_N, cw_V, opts.ignore_index, vocab) if check is None else check
+
+    @property
+    def denominator(self) -> torch.Tensor | None:
+        """The mean's denominator (launches the check), None for other reductions."""
+        self.check.launch()
+        return self.check.denominator if self.opts.reduction == "mean" else None
 
     def rows_(self, z_RV: torch.Tensor, b_V, rs: slice, lse_R: torch.Tensor, loss_R: torch.Tensor, grad: bool,
               tile_filter: TileFilter | None = None) -> None:
@@ -194,6 +237,7 @@ class RowMath:
     def losses_(self, m_R, l_R, sy_R, ws_R, rs: slice, lse_R, loss_R) -> None:
         """lse = m + log(l) and the row losses of rows rs from their statistics (all [R] fp32)."""
         R, o = m_R.shape[0], self.opts
+        self.check.launch()
         if R == 0:
             return
         _ce_losses_kernel[(triton.cdiv(R, BLOCK_ROWS),)](

@@ -12,7 +12,7 @@ from torch_impl.chunked import ChunkedLinearCrossEntropy
 
 try:
     from torch_impl import blocked
-    from torch_impl.ce_kernels import check_targets
+    from torch_impl.ce_kernels import TargetCheck
     from torch_impl.function import KernelLinearCrossEntropy
 except ImportError:  # no Triton: the chunked path serves every call
     blocked = None
@@ -48,26 +48,6 @@ def rows_to_compute(keep_N: torch.Tensor) -> torch.Tensor | None:
     are. Waits for the GPU (call it only where `skipping_pays`)."""
     active = keep_N.nonzero().squeeze(1)
     return active if 0 < active.shape[0] < keep_N.shape[0] else None
-
-
-class _HostValue:
-    """A device tensor's value brought to the host behind the work queued so far, without
-    waiting for the work queued after it: `get()` waits only for the copy."""
-
-    def __init__(self, t: torch.Tensor):
-        self.event = None
-        if t.is_cuda:
-            self.value = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.value.copy_(t, non_blocking=True)  # on t's device's current stream
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(t.device))
-        else:
-            self.value = t
-
-    def get(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.value
 
 
 def kernels_can_run(x: torch.Tensor) -> bool:
@@ -184,20 +164,19 @@ def linear_cross_entropy(
         )
     else:
         # The kernels read out-of-range targets safely (NaN rows), so the work is queued before
-        # the host looks at the bad-target count, and it waits only for that count's copy:
-        # the GPU keeps the queued work while the host goes on.
+        # the host looks at the bad-target count: the check runs behind the first logits
+        # product, and the host waits for the check only, not for the call's work.
         y_N = y_N.to(torch.int64)
-        checked = check_targets(y_N, weight, opts.ignore_index, shape.vocab)
-        bad = _HostValue(checked[0])
+        check = TargetCheck(y_N, weight, opts.ignore_index, shape.vocab)
         skip = not return_lse and skipping_pays(shape.n_rows, shape.hidden, shape.vocab)
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
         plan = blocked.plan_blocks(strategy, n_active, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
                                    filter_eps, gathered_rows=active is not None)
         loss, lse_N = KernelLinearCrossEntropy.apply(
-            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, checked[1], active
+            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, check, active
         )
-        if bad.get().item():
+        if check.bad_count():
             _check_target_range(y_N, shape.vocab, opts.ignore_index)
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)
