@@ -47,21 +47,22 @@ def row_stats(z_row_ptr, b_ptr, cw_ptr, y, C, cap, scale,
                BLOCK: tl.constexpr):
     """(m, l, s_y, ws) of one row's C logits: m = max and l = sum of exp(scale * s - m), s_y = s
     at column y (0 unless y lies in [0, C)), ws = sum_j cw_j s_j (0 unless NEED_WS); b_ptr and
-    cw_ptr point at the row's first column. Per-lane running values, reduced at the end."""
+    cw_ptr point at the row's first column. Per-lane running values, reduced at the end; one
+    exponential per logit (the lane's sum is rescaled only when its max grows), s_y read once."""
     m_vec = tl.full([BLOCK], -float("inf"), tl.float32)
     l_vec = tl.zeros([BLOCK], tl.float32)
-    sy_vec = tl.zeros([BLOCK], tl.float32)
     ws_vec = tl.zeros([BLOCK], tl.float32)
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
         s = _capped_logits(z_row_ptr + offs, b_ptr, offs, mask, cap, HAS_BIAS, HAS_CAP)
         s_in = tl.where(mask, s * scale, -float("inf"))
-        m_new = tl.maximum(m_vec, s_in)
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # lanes that have seen nothing yet
-        l_vec = l_vec * tl.exp(m_vec - m_safe) + tl.exp(s_in - m_safe)
-        m_vec = m_new
-        sy_vec += tl.where(offs == y, s, 0.0)
+        # Of exp(m - s) (a new max: l = l e + 1) and exp(s - m) (l = l + e) one is needed;
+        # a -inf logit (or a masked lane) adds nothing, also against a lane that saw only -inf.
+        d = s_in - m_vec
+        e = tl.where(s_in == -float("inf"), 0.0, tl.exp(-tl.abs(d)))
+        l_vec = tl.where(d > 0, l_vec * e + 1.0, l_vec + e)
+        m_vec = tl.maximum(m_vec, s_in)
         if NEED_WS:
             if HAS_CW:
                 s = s * tl.load(cw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -69,7 +70,10 @@ def row_stats(z_row_ptr, b_ptr, cw_ptr, y, C, cap, scale,
     m = tl.max(m_vec, axis=0)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
     l = tl.sum(tl.where(m_vec == -float("inf"), 0.0, l_vec * tl.exp(m_vec - m_safe)), axis=0)
-    return m, l, tl.sum(sy_vec, axis=0), tl.sum(ws_vec, axis=0)
+    y_in = (y >= 0) & (y < C)
+    y_col = tl.where(y_in, y, 0)
+    s_y = _capped_logits(z_row_ptr + y_col, b_ptr, y_col, y_in, cap, HAS_BIAS, HAS_CAP)
+    return m, l, s_y, tl.sum(ws_vec, axis=0)
 
 
 @triton.jit
