@@ -112,8 +112,9 @@ def linear_cross_entropy_reference(
     cw = np.ones(V) if cw_V is None else cw_V
     s_y = s_NV[np.arange(len(y_N)), safe_y]
     nll = cw[safe_y] * (lse_N - s_y)
-    smooth = (cw[None, :] * (lse_N[:, None] - s_NV)).sum(axis=1) / V
-    row = (1 - eps) * nll + eps * smooth + z_loss * lse_N**2
+    row = (1 - eps) * nll + z_loss * lse_N**2
+    if eps > 0:  # absent at eps = 0, as in PyTorch: a class masked by a -inf logit leaves the loss finite
+        row = row + eps * (cw[None, :] * (lse_N[:, None] - s_NV)).sum(axis=1) / V
     row = np.where(valid & ~in_range, np.nan, row)
     row = np.where(valid, row, 0.0)
     if reduction == "none":

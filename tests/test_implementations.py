@@ -57,6 +57,24 @@ def test_matches_reference(impl, case, dtype, layout):
     assert {"grad_x", "grad_W"} <= result.keys() and ("grad_b" in result) == (p.b is not None)
 
 
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_classes_masked_by_minus_inf_bias(impl):
+    """A bias of -inf masks classes (a common way to restrict the vocabulary): they add nothing
+    to lse and get no gradient, also where a lane of the row statistics sees only masked
+    classes for a while (the first classes) or after finite ones (every third class); V spans
+    three column tiles of the row kernels' statistics."""
+    options = dict(reduction="none", label_smoothing=0.0, z_loss=1e-3)
+    p = make_problem(6, dtype="float32", bias=True, vocab=4500)
+    masked = np.zeros(p.vocab, bool)
+    masked[:7] = masked[::3] = True
+    p.b[masked] = -np.inf
+    p.y[np.isin(p.y, np.flatnonzero(masked))] = -100  # a masked class as the target has an infinite loss
+    g_out, g_lse = upstream_grads(6, p, "none", True)
+    result = IMPLEMENTATIONS[impl].run(p, options, g_out, g_lse)
+    check_against_reference(result, reference(p, options, g_out, g_lse), "float32")
+    assert np.all(result["grad_b"][masked] == 0)
+
+
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 def test_jax_kernels_with_x64_on(strategy):
     """With JAX's 64-bit mode on (common in scientific code) a loop over Python ints counts
