@@ -211,8 +211,7 @@ class RowMath:
 
     @property
     def denominator(self) -> torch.Tensor | None:
-        """The mean's denominator (launches the check), None for other reductions."""
-        self.check.launch()
+        """The mean's denominator, None for other reductions."""
         return self.check.denominator if self.opts.reduction == "mean" else None
 
     def rows_(self, z_RV: torch.Tensor, b_V, rs: slice, lse_R: torch.Tensor, loss_R: torch.Tensor, grad: bool,
@@ -221,6 +220,7 @@ class RowMath:
         `grad`, write dz for an upstream gradient of 1 of the reduced loss over z (filtered
         by `tile_filter`, as `torch_impl.kernels.row_grad` says, if given)."""
         R, V = z_RV.shape
+        self.check.launch()  # the call's first per-row kernel queues the check
         if R == 0:
             return
         o, y, f = self.opts, self.y[rs], tile_filter
@@ -237,7 +237,7 @@ class RowMath:
     def losses_(self, m_R, l_R, sy_R, ws_R, rs: slice, lse_R, loss_R) -> None:
         """lse = m + log(l) and the row losses of rows rs from their statistics (all [R] fp32)."""
         R, o = m_R.shape[0], self.opts
-        self.check.launch()
+        self.check.launch()  # the call's first per-row kernel queues the check
         if R == 0:
             return
         _ce_losses_kernel[(triton.cdiv(R, BLOCK_ROWS),)](
