@@ -20,6 +20,19 @@ WEIGHT_GRAD_SLAB_BYTES = 256 << 20  # each at least this big (a small head is on
 SLAB_ALIGN = 256  # slab edges at multiples of this many classes
 
 
+# N * D * V from which the kernel paths compute only the rows whose target is not ignored
+# (when no lse is returned): finding them costs PyTorch one host wait for the GPU and JAX a
+# sort of the rows, and each row block's rows are gathered and its grad_input scattered,
+# which pays when 6 N D V flops take milliseconds (2**40: ~9 ms on an H100).
+SKIP_IGNORED_MIN_WORK = 2**40
+
+
+def skipping_pays(n_rows: int, hidden: int, vocab: int) -> bool:
+    """Whether a call is large enough (N * D * V >= SKIP_IGNORED_MIN_WORK) for the kernels to
+    compute only some of its rows."""
+    return n_rows * hidden * vocab >= SKIP_IGNORED_MIN_WORK
+
+
 def _round_down(n: int, multiple: int) -> int:
     return max(multiple, n // multiple * multiple)
 

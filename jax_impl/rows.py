@@ -77,7 +77,7 @@ def row_coefficients(g_loss, g_lse, lse, rows: TargetRows, cw_sum, opts: CrossEn
     return p_coef, t_coef, r * eps / vocab
 
 
-def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int):
+def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, tail_split: int = 1):
     """(carry, outs) of row_step over blocks of block_rows (<= n_rows) rows: a loop over the
     full blocks and one call for the remainder (static), so no input is padded and every
     block's rows are new.
@@ -85,20 +85,49 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int):
     row_step(carry, xs) -> (carry, ys): xs holds the block's rows of each per-row array
     ([N, ...] -> [R, ...]); ys is a tuple of [R, ...] arrays, written into outs ([N, ...]
     each) in place.
+
+    keep: optional bool [N], the rows that must be computed (a traced count). The rows are
+    then taken kept rows first (each group in ascending order), each block's rows gathered
+    and its outputs scattered back: the full blocks of kept rows, then blocks of
+    block_rows / tail_split rows (block_rows if it does not divide them) up to the last
+    kept row, then the static remainder of those smaller blocks if it holds kept rows. Rows
+    that share those blocks with kept rows are computed too; the others are never visited
+    and get zeros in outs.
     """
-    rows_of = lambda start, size: tuple(jax.lax.dynamic_slice_in_dim(a, start, size) for a in per_row)
     n_full, rest = divmod(n_rows, block_rows)
     if n_full == 1 and not rest:
         return row_step(carry, per_row)
     block = tuple(jax.ShapeDtypeStruct((block_rows,) + a.shape[1:], a.dtype) for a in per_row)
     shapes = jax.eval_shape(row_step, carry, block)[1]
     outs = tuple(jnp.zeros((n_rows,) + s.shape[1:], s.dtype) for s in shapes)
+    order = None if keep is None else jnp.argsort(~keep, stable=True).astype(jnp.int32)
 
     def step(start, size, state):
-        carry, ys = row_step(state[0], rows_of(start, size))
-        return carry, tuple(jax.lax.dynamic_update_slice_in_dim(o, y, start, 0) for o, y in zip(state[1], ys))
+        if order is None:
+            xs = tuple(jax.lax.dynamic_slice_in_dim(a, start, size) for a in per_row)
+            carry, ys = row_step(state[0], xs)
+            return carry, tuple(jax.lax.dynamic_update_slice_in_dim(o, y, start, 0) for o, y in zip(state[1], ys))
+        rows = jax.lax.dynamic_slice_in_dim(order, start, size)
+        carry, ys = row_step(state[0], tuple(jnp.take(a, rows, axis=0, mode="clip") for a in per_row))
+        return carry, tuple(o.at[rows].set(y, unique_indices=True) for o, y in zip(state[1], ys))
+
+    def blocks(state, first, count, size):  # `count` blocks of `size` rows from row `first`
+        return jax.lax.fori_loop(0, count, lambda i, st: step(first + i * size, size, st), state)
 
     state = (carry, outs)
-    if n_full:  # (no rows: no loop)
-        state = jax.lax.fori_loop(0, n_full, lambda i, st: step(i * block_rows, block_rows, st), state)
-    return step(n_full * block_rows, rest, state) if rest else state
+    if keep is None:
+        if n_full:  # (no rows: no loop)
+            state = blocks(state, 0, n_full, block_rows)
+        return step(n_full * block_rows, rest, state) if rest else state
+    n_kept = keep.sum(dtype=jnp.int32)
+    tail = block_rows // tail_split if block_rows % tail_split == 0 else block_rows
+    n_big = jnp.minimum(n_kept // block_rows, n_full)
+    state = blocks(state, 0, n_big, block_rows)
+    first = n_big * block_rows
+    n_small = jnp.minimum((n_kept - first + tail - 1) // tail, (n_rows - first) // tail)
+    state = blocks(state, first, n_small, tail)
+    rest = n_rows % tail
+    if not rest:
+        return state
+    last = n_rows - rest
+    return jax.lax.cond(n_kept > last, lambda st: step(last, rest, st), lambda st: st, state)

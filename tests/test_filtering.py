@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import interop.blocking
+
 from interop.options import check_filter_eps
 from tests.frameworks import seed_of, tolerance
 from torch_impl.kernels import FILTER_COLS
@@ -142,10 +144,9 @@ def test_filtered_speed_matches_simulated_rule(monkeypatch, case, vocab, dtype, 
 def test_filtered_speed_on_the_rows_not_ignored(monkeypatch, case):
     """When only the rows not ignored are computed (torch_impl.functional.rows_to_compute),
     the rule applies to blocks of those rows; the ignored rows get a zero grad_input."""
-    import torch_impl.functional
     from torch_impl.blocked import plan_blocks
 
-    monkeypatch.setattr(torch_impl.functional, "SKIP_IGNORED_MIN_WORK", 0)
+    monkeypatch.setattr(interop.blocking, "SKIP_IGNORED_MIN_WORK", 0)
     opts, bias, class_weights = OPTION_CASES[case]
     vocab, seed = 2100, seed_of("rows-not-ignored", case)
     x, W, y, b, cw = make_inputs(seed, vocab, torch.float32, "VD", bias, class_weights)

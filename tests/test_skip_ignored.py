@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+import interop.blocking as blocking
 import torch_impl.functional as functional
 from tests import distill_frameworks, test_distillation, test_implementations
-from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, seed_of, tolerance, upstream_grads
+from tests.frameworks import CASES, DTYPES, JaxAdapter, TorchAdapter, make_problem, reference, seed_of, tolerance, upstream_grads
 from tests.test_implementations import check_against_reference
 from torch_impl import blocked
 
@@ -30,7 +31,7 @@ ROW_CASES = [case for case, (_, kwargs, with_lse) in CASES.items() if not with_l
 def skipping(monkeypatch):
     """Skip ignored rows at every size; returns the list of `active` arguments that
     blocked.forward received."""
-    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 0)
+    monkeypatch.setattr(blocking, "SKIP_IGNORED_MIN_WORK", 0)
     seen = []
     forward = blocked.forward
 
@@ -64,6 +65,87 @@ def test_skipping_ignored_rows_matches_reference(skipping, strategy, case, dtype
     assert not result["grad_x"].reshape(-1, p.x.shape[-1])[ignored].any(), "ignored rows got a grad_input"
 
 
+@pytest.fixture
+def jax_skipping(monkeypatch):
+    """As `skipping` for JAX: every call without a returned lse skips ignored rows; returns
+    the list of `keep` arguments that jax_impl.blocked's row loops received (at trace time)."""
+    import jax_impl.blocked
+
+    monkeypatch.setattr(blocking, "SKIP_IGNORED_MIN_WORK", 0)
+    seen = []
+    row_loop = jax_impl.blocked.row_loop
+
+    def spy(*args):
+        seen.append(args[5] if len(args) > 5 else None)
+        return row_loop(*args)
+
+    monkeypatch.setattr(jax_impl.blocked, "row_loop", spy)
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["VD", "DV"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", ROW_CASES)
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_jax_skipping_ignored_rows_matches_reference(jax_skipping, strategy, case, dtype, layout):
+    options, problem_kwargs, _ = CASES[case]
+    seed = seed_of("jax-skip", strategy, case, dtype, layout)
+    p = make_problem(seed, dtype=dtype, weight_layout=layout, ignore_frac=0.4, **problem_kwargs)
+    g_out, _ = upstream_grads(seed, p, options.get("reduction", "mean"), False)
+    result = JaxAdapter(strategy).run(p, options, g_out, None)
+    check_against_reference(result, reference(p, options, g_out, None), dtype, p.logit_scale)
+    assert jax_skipping and all(keep is not None for keep in jax_skipping), "the call computed every row"
+    ignored = (p.y == options.get("ignore_index", -100)).reshape(-1)
+    assert not result["grad_x"].reshape(-1, p.x.shape[-1])[ignored].any(), "ignored rows got a grad_input"
+
+
+def test_jax_returned_lse_computes_every_row(jax_skipping):
+    p = make_problem(6, ignore_frac=0.5)
+    g_out, g_lse = upstream_grads(6, p, "mean", True)
+    result = JaxAdapter("speed").run(p, {}, g_out, g_lse)
+    check_against_reference(result, reference(p, {}, g_out, g_lse), "float32")
+    assert jax_skipping and all(keep is None for keep in jax_skipping)
+
+
+@pytest.mark.parametrize("n_rows, kept, sizes", [
+    (21, [1, 5, 6, 12, 20], [2, 2, 2]),  # no full block of kept rows: blocks of 8 / TAIL_SPLIT
+    (21, range(9), [8, 2]),
+    (21, range(21), [8, 8, 2, 2, 1]),  # the remainder of the smaller blocks holds a kept row
+    (21, range(20), [8, 8, 2, 2]),
+    (21, [], []),
+    (24, range(0, 24, 2)[:9], [8, 2]),
+])
+def test_jax_row_loop_visits_only_the_blocks_of_kept_rows(n_rows, kept, sizes):
+    """jax_impl.rows.row_loop with `keep` (blocks of 8 rows, tail_split 4): the kept rows
+    first (ascending), then the others (ascending), in the blocks `sizes`; outputs land in
+    their rows, zeros in the rows never visited."""
+    import jax.numpy as jnp
+
+    from jax_impl.rows import row_loop
+
+    keep = np.zeros(n_rows, bool)
+    keep[list(kept)] = True
+    order = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)])
+    visited = order[:sum(sizes)]
+    x = jnp.arange(1, n_rows + 1, dtype=jnp.float32)
+
+    def row_step(carry, xs):
+        (x_R,) = xs
+        total, blocks = carry
+        return (total + x_R.sum(), blocks + 1), (x_R * 2, x_R * 0 + x_R.shape[0])
+
+    (total, blocks), (doubled, size_of) = row_loop(row_step, (jnp.float32(0), jnp.int32(0)), (x,), n_rows, 8,
+                                                   jnp.asarray(keep), tail_split=4)
+    assert int(blocks) == len(sizes)
+    assert float(total) == float(np.asarray(x)[visited].sum())
+    want = np.zeros(n_rows)
+    want[visited] = 2 * np.asarray(x)[visited]
+    np.testing.assert_array_equal(np.asarray(doubled), want)
+    want_size = np.zeros(n_rows)
+    want_size[visited] = np.repeat(sizes, sizes)
+    np.testing.assert_array_equal(np.asarray(size_of), want_size)
+
+
 @pytest.mark.parametrize("ignore_frac", [0.0, 1.0])
 def test_all_or_no_rows_ignored_compute_every_row(skipping, ignore_frac):
     p = make_problem(5, ignore_frac=ignore_frac, bias=True)
@@ -83,15 +165,15 @@ def test_returned_lse_computes_every_row(skipping):
 
 def test_small_calls_compute_every_row(monkeypatch):
     """Below SKIP_IGNORED_MIN_WORK the rows are not looked up (no host wait, no extra launch)."""
-    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53 + 1)
-    assert not functional.skipping_pays(13, 19, 53)
+    monkeypatch.setattr(blocking, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53 + 1)
+    assert not blocking.skipping_pays(13, 19, 53)
     monkeypatch.setattr(functional, "rows_to_compute", lambda keep: pytest.fail("looked up the rows"))
     p = make_problem(8, ignore_frac=0.5)
     g_out, _ = upstream_grads(8, p, "mean", False)
     result = TorchAdapter("speed").run(p, {}, g_out, None)
     check_against_reference(result, reference(p, {}, g_out, None), "float32")
-    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53)
-    assert functional.skipping_pays(13, 19, 53)
+    monkeypatch.setattr(blocking, "SKIP_IGNORED_MIN_WORK", 13 * 19 * 53)
+    assert blocking.skipping_pays(13, 19, 53)
 
 
 def test_rows_to_compute_only_when_some_are_left_out():
@@ -129,6 +211,28 @@ def test_cuda_skipping_ignored_rows_matches_reference(skipping, monkeypatch, str
     assert_skipped_ignored(skipping, p)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["mean", "none-classweights", "zloss-softcap-bias"])
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_cuda_jax_skipping_ignored_rows_matches_reference(jax_skipping, monkeypatch, strategy, case):
+    """JAX on the GPU: medium odd shapes in several row and column blocks, bf16."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs JAX with a CUDA GPU")
+    monkeypatch.setattr(blocking, "MIN_BLOCK", 64)
+    monkeypatch.setattr(blocking, "MIN_MEMORY_BLOCK", (64, 64))
+    monkeypatch.setattr(blocking, "SPEED_BLOCK_ELEMENTS", 300 * 5003)
+    monkeypatch.setattr(blocking, "MEMORY_FRACTION", 0.01)
+    options, problem_kwargs, _ = CASES[case]
+    seed = seed_of("cuda-jax-skip", strategy, case)
+    p = make_problem(seed, lead=(1000,), hidden=257, vocab=5003, dtype="bfloat16", ignore_frac=0.3, **problem_kwargs)
+    g_out, _ = upstream_grads(seed, p, options.get("reduction", "mean"), False)
+    result = JaxAdapter(strategy).run(p, options, g_out, None)
+    check_against_reference(result, reference(p, options, g_out, None), "bfloat16", p.logit_scale)
+    assert jax_skipping and all(keep is not None for keep in jax_skipping), "the call computed every row"
+
+
 # Distillation: the cases whose rows are not all valid (a target with ignored rows, or a mask).
 DISTILL_CASES = [key for key, (_, problem, *_) in test_distillation.CASES.items() if problem.get("target") or problem.get("mask")]
 
@@ -136,7 +240,7 @@ DISTILL_CASES = [key for key, (_, problem, *_) in test_distillation.CASES.items(
 def check_distillation_skipping(monkeypatch, strategy, kind, name, dtype, device):
     import torch_impl.distillation
 
-    monkeypatch.setattr(functional, "SKIP_IGNORED_MIN_WORK", 0)
+    monkeypatch.setattr(blocking, "SKIP_IGNORED_MIN_WORK", 0)
     found, rows_to_compute = [], torch_impl.distillation.rows_to_compute
 
     def spy(*args):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from interop.blocking import skipping_pays
 from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_reduction,
                                   check_topk_inputs, teacher_id_out_of_range_message)
 from interop.options import check_strategy, target_out_of_range_message
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation, plan_distillation
 from torch_impl.distill_rows import TopKTeacher, valid_rows
-from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute, skipping_pays
+from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute
 from torch_impl.rows import compute_dtype
 
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from interop.blocking import speed_extra_bytes
+from interop.blocking import skipping_pays, speed_extra_bytes
 from interop.options import CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
 from torch_impl.chunked import ChunkedLinearCrossEntropy
 
@@ -29,18 +29,6 @@ def _check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> Non
     bad = (y_N != ignore_index) & ((y_N < 0) | (y_N >= vocab))
     if bool(bad.any()):
         raise ValueError(target_out_of_range_message(int(y_N[bad][0]), vocab, ignore_index))
-
-
-# N * D * V from which the kernel path computes only the rows whose target is not ignored:
-# finding them makes the host wait for the GPU once (about the time of a few launches),
-# which pays when 6 N D V flops take milliseconds (2**40: ~9 ms on an H100).
-SKIP_IGNORED_MIN_WORK = 2**40
-
-
-def skipping_pays(n_rows: int, hidden: int, vocab: int) -> bool:
-    """Whether a call is large enough (N * D * V >= SKIP_IGNORED_MIN_WORK) for the kernels to
-    compute only some of its rows."""
-    return n_rows * hidden * vocab >= SKIP_IGNORED_MIN_WORK
 
 
 def rows_to_compute(keep_N: torch.Tensor) -> torch.Tensor | None:
@@ -124,7 +112,7 @@ def linear_cross_entropy(
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
         with ``return_lse``, the tuple (loss, lse [...]).
 
-    On the kernel path, a large call (N * D * V >= SKIP_IGNORED_MIN_WORK) without
+    On the kernel path, a large call (N * D * V >= interop.blocking.SKIP_IGNORED_MIN_WORK) without
     ``return_lse`` computes only the rows whose target is not ``ignore_index`` (their
     logits, products and gradients; the others' grad_input is 0): finding them makes the
     host wait for the GPU once. A bad target raises ValueError in the same call; the host
