@@ -62,6 +62,10 @@ class BlockedConfig:
 
 def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype, return_lse,
          platform) -> BlockedConfig:
+    """The call's configuration. "memory" stays in blocks of rows and columns: run as "speed"
+    in whole rows with a 16-bit grad_weight (as torch_impl.blocked.plan_blocks does where they
+    fit), XLA held about one more W (H100, L: 98.6 ms at 1.94 x the floor, against 126 ms at
+    1.34 x)."""
     skip = not return_lse and skipping_pays(n_rows, hidden, vocab)
     rows, cols = block_shape(strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize, gathered_rows=skip)
     return BlockedConfig(options, weight_layout, strategy, rows, cols, accumulate_in_input_dtype, return_lse,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.frameworks import CASES, DTYPES, cpu_implementations, make_problem, reference, rel_err, seed_of, tolerance, upstream_grads
+from tests.frameworks import (CASES, DTYPES, TorchAdapter, cpu_implementations, make_problem, reference, rel_err, seed_of,
+                              tolerance, upstream_grads)
 
 IMPLEMENTATIONS = cpu_implementations()
 
@@ -171,6 +172,49 @@ def test_block_rules_split_these_problems(small_chunks):
     assert (speed.block_rows, speed.block_cols, speed.accumulate_dtype) == (4, 53, torch.float32)
     memory = plan_blocks("memory", 13, 19, 53, torch.bfloat16, False)
     assert memory.block_rows == 4 and 4 <= memory.block_cols < 53 and 53 % memory.block_cols
+
+
+def test_memory_takes_whole_rows_where_enough_fit():
+    """interop.blocking.whole_row_memory_rows: L's "memory" in whole rows within 9.5% of the
+    floor (the issue's memory-first bound is 10% + 16 bytes a row), G's in rows and columns,
+    a call whose rows all fit in one block."""
+    import interop.blocking as blocking
+
+    rows = blocking.whole_row_memory_rows(14746, 4096, 128256, 2, gathered_rows=True)
+    assert rows == 416
+    floor = (16384 + 128256) * 4096 * 2
+    assert rows * (128256 + 4096) * 2 <= 0.1 * floor
+    assert blocking.whole_row_memory_rows(8192, 2304, 256000, 2) is None
+    assert blocking.whole_row_memory_rows(100, 4096, 128256, 2) == 100
+
+
+@pytest.fixture
+def whole_row_memory(monkeypatch):
+    """"memory" in blocks of whole rows at these sizes: 4 rows a block (the fraction of the
+    test problems' gradients that holds 4.5 rows of 53 logits)."""
+    import interop.blocking as blocking
+
+    monkeypatch.setattr(blocking, "MIN_WHOLE_ROWS", 1)
+    monkeypatch.setattr(blocking, "WHOLE_ROW_ALIGN", 1)
+    monkeypatch.setattr(blocking, "WHOLE_ROW_FRACTION", 4.5 * 53 / ((13 + 53) * 19))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_memory_in_whole_rows_matches_reference(whole_row_memory, case, dtype):
+    """PyTorch's "memory" where whole rows fit runs "speed"'s blocks with grad_weight in the
+    input dtype (several row blocks here), against the float64 reference."""
+    import torch
+
+    from torch_impl.blocked import BlockPlan, plan_blocks
+
+    assert plan_blocks("memory", 13, 19, 53, torch.float32, False) == BlockPlan("speed", 4, 53, torch.float32)
+    options, problem_kwargs, with_lse = CASES[case]
+    seed = seed_of("whole-row-memory", case, dtype)
+    p = make_problem(seed, dtype=dtype, **problem_kwargs)
+    g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+    result = TorchAdapter("memory").run(p, options, g_out, g_lse)
+    check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
 @pytest.mark.parametrize("n_rows, block_rows", [(13, 4), (12, 4), (13, 13), (0, 1)])

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from interop.blocking import block_shape, weight_grad_slabs
+from interop.blocking import block_shape, weight_grad_slabs, whole_row_memory_rows
 from interop.options import CrossEntropyOptions
 from torch_impl.ce_kernels import RowMath, TargetCheck
 from torch_impl.kernels import FILTER_COLS, TileFilter, block_grad_, block_stats_
@@ -49,8 +49,13 @@ class BlockPlan:
 def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool,
                 filter_eps: float | None = None, gathered_rows: bool = False) -> BlockPlan:
     """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
-    n_rows: the rows computed; gathered_rows: they are gathered from x (HeadBlocks.active)."""
+    n_rows: the rows computed; gathered_rows: they are gathered from x (HeadBlocks.active).
+    "memory" in blocks of whole rows (interop.blocking.whole_row_memory_rows) runs as
+    "speed" with those blocks and grad_weight accumulated in the input dtype."""
     itemsize = dtype.itemsize
+    whole_rows = whole_row_memory_rows(n_rows, hidden, vocab, itemsize, gathered_rows) if strategy == "memory" else None
+    if whole_rows:
+        return BlockPlan("speed", whole_rows, vocab, dtype, filter_eps)
     rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
                              narrow_accumulator=accumulate_in_input_dtype)
     if strategy == "speed":
