@@ -14,7 +14,9 @@ Two strategies (`plan_blocks`):
   accumulator of one row block together stay under a few percent of the gradients'
   bytes. The backward pass recomputes the logits (8 N D V flops). grad_weight is
   accumulated in fp32 inside each row block (one matrix product over R rows) and in the
-  input dtype across row blocks.
+  input dtype across row blocks. Where enough whole rows fit in its budget
+  (interop.blocking.whole_row_memory_rows), "memory" runs as "speed" in those blocks with
+  grad_weight in the input dtype (6 N D V flops).
 Either may compute only some rows (`active`: those whose target is not ignored, from
 `torch_impl.functional.rows_to_compute`), gathered block by block.
 """
