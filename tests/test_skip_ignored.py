@@ -49,20 +49,27 @@ def assert_skipped_ignored(seen, p, ignore_index: int = -100) -> None:
     np.testing.assert_array_equal(seen[-1].cpu().numpy(), expected)
 
 
+def check_case_with_ignored_rows(adapter, case: str, dtype: str, layout: str):
+    """Run a CASES case with 40% of its rows ignored through `adapter` against the float64
+    reference, and check that the ignored rows got a zero grad_input; returns (problem, options)."""
+    options, problem_kwargs, _ = CASES[case]
+    seed = seed_of("skip", adapter.name, case, dtype, layout)
+    p = make_problem(seed, dtype=dtype, weight_layout=layout, ignore_frac=0.4, **problem_kwargs)
+    g_out, _ = upstream_grads(seed, p, options.get("reduction", "mean"), False)
+    result = adapter.run(p, options, g_out, None)
+    check_against_reference(result, reference(p, options, g_out, None), dtype, p.logit_scale)
+    ignored = (p.y == options.get("ignore_index", -100)).reshape(-1)
+    assert not result["grad_x"].reshape(-1, p.x.shape[-1])[ignored].any(), "ignored rows got a grad_input"
+    return p, options
+
+
 @pytest.mark.parametrize("layout", ["VD", "DV"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROW_CASES)
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 def test_skipping_ignored_rows_matches_reference(skipping, strategy, case, dtype, layout):
-    options, problem_kwargs, _ = CASES[case]
-    seed = seed_of("skip", strategy, case, dtype, layout)
-    p = make_problem(seed, dtype=dtype, weight_layout=layout, ignore_frac=0.4, **problem_kwargs)
-    g_out, _ = upstream_grads(seed, p, options.get("reduction", "mean"), False)
-    result = TorchAdapter(strategy).run(p, options, g_out, None)
-    check_against_reference(result, reference(p, options, g_out, None), dtype, p.logit_scale)
+    p, options = check_case_with_ignored_rows(TorchAdapter(strategy), case, dtype, layout)
     assert_skipped_ignored(skipping, p, options.get("ignore_index", -100))
-    ignored = (p.y == options.get("ignore_index", -100)).reshape(-1)
-    assert not result["grad_x"].reshape(-1, p.x.shape[-1])[ignored].any(), "ignored rows got a grad_input"
 
 
 @pytest.fixture
@@ -88,15 +95,8 @@ def jax_skipping(monkeypatch):
 @pytest.mark.parametrize("case", ROW_CASES)
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 def test_jax_skipping_ignored_rows_matches_reference(jax_skipping, strategy, case, dtype, layout):
-    options, problem_kwargs, _ = CASES[case]
-    seed = seed_of("jax-skip", strategy, case, dtype, layout)
-    p = make_problem(seed, dtype=dtype, weight_layout=layout, ignore_frac=0.4, **problem_kwargs)
-    g_out, _ = upstream_grads(seed, p, options.get("reduction", "mean"), False)
-    result = JaxAdapter(strategy).run(p, options, g_out, None)
-    check_against_reference(result, reference(p, options, g_out, None), dtype, p.logit_scale)
+    check_case_with_ignored_rows(JaxAdapter(strategy), case, dtype, layout)
     assert jax_skipping and all(keep is not None for keep in jax_skipping), "the call computed every row"
-    ignored = (p.y == options.get("ignore_index", -100)).reshape(-1)
-    assert not result["grad_x"].reshape(-1, p.x.shape[-1])[ignored].any(), "ignored rows got a grad_input"
 
 
 def test_jax_returned_lse_computes_every_row(jax_skipping):
