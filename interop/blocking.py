@@ -13,9 +13,9 @@ NARROW_SPEED_BLOCK_GROWTH = 1.5  # "speed" with a 16-bit grad_weight accumulator
 # the block grows by this factor when the V x D x 2 bytes that an fp32 accumulator would have held
 # beyond it pay for the growth; the accumulator is then read and written in fewer passes
 MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a share of the gradients' bytes
-WHOLE_ROW_FRACTION = 0.095  # "memory" in whole rows: logits block (+ x rows), as a share of the gradients' bytes
-MIN_WHOLE_ROWS = 384  # ... when that is at least this many rows (fewer lose to the blocks of rows and columns)
-WHOLE_ROW_ALIGN = 32  # ... a multiple of this many rows
+WHOLE_ROW_FRACTION = 0.093  # "memory" in whole rows: logits scratch (+ row copies), as a share of the gradients' bytes
+MIN_WHOLE_ROWS = 384  # ... when its first block has at least this many rows (fewer lose to rows and columns)
+WHOLE_ROW_ALIGN = 32  # ... blocks a multiple of this many rows
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
 WEIGHT_GRAD_SLABS = 2  # a grad_weight accumulator wider than W: at most this many vocabulary slabs,
@@ -65,23 +65,44 @@ def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: i
     return rows, cols
 
 
-def whole_row_memory_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, gathered_rows: bool = False) -> int | None:
-    """Rows per block when PyTorch's cross-entropy "memory" strategy can take blocks of whole rows
-    (the gradients formed in the forward pass, 6 N D V flops, grad_weight accumulated in the
-    input dtype: liger's layout), else None (blocks of rows and columns, 8 N D V flops).
+def whole_row_memory_scratch(n_all: int, n_rows: int, hidden: int, vocab: int, itemsize: int,
+                             gathered_rows: bool = False) -> int | None:
+    """Elements of the logits scratch beyond grad_input [n_all, D] with which PyTorch's
+    cross-entropy "memory" strategy runs in blocks of whole rows (the gradients formed in the
+    forward pass, 6 N D V flops, grad_weight accumulated in the input dtype: liger's layout),
+    else None (blocks of rows and columns, 8 N D V flops).
 
-    A block's logits (rewritten as dz) and, with gathered_rows, its copy of x stay within
-    WHOLE_ROW_FRACTION of the gradients' bytes; whole rows are taken when that holds at
-    least MIN_WHOLE_ROWS rows (or all of them). H100, bf16, L with 10% of rows ignored: 384
-    rows 94.0 ms at 1.09 x the floor, 448 rows 90.6 ms at 1.11 x, the column blocks 101 ms
-    (liger 92.5 ms at 1.11 x); the 416 rows taken there: 92.5 ms at 1.10 x, liger 91.7 in
-    that run; at G the whole rows that fit (192) take 90 ms, the column blocks 63 ms."""
-    budget = WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize
-    rows = int(budget // ((vocab + (hidden if gathered_rows else 0)) * itemsize))
-    if rows >= n_rows > 0:
-        return n_rows
-    rows = rows // WHOLE_ROW_ALIGN * WHOLE_ROW_ALIGN
-    return rows if rows >= MIN_WHOLE_ROWS else None
+    grad_input and the scratch are one buffer, and a block's logits (rewritten as dz) lie in
+    the scratch and in the rows of grad_input that no block has written yet, so the first
+    blocks are the largest (`scratch_block_rows`: L 800 rows first, 352 near the end). The scratch
+    plus, with gathered_rows (n_rows of n_all computed), the first block's copies of its x
+    and grad_input rows stay within WHOLE_ROW_FRACTION of the gradients' bytes (the
+    issue's bound is 10% + 16 bytes a row: 9.5% measured 1243.5 MiB at L, 0.25 MiB over it,
+    from the per-row tensors and the allocator's rounding); whole rows are taken when the first block holds
+    at least MIN_WHOLE_ROWS rows (fewer lose to rows and columns: H100, bf16, L with 10% of
+    rows ignored, fixed blocks of 384 rows took 94.0 ms, 448 rows 90.6 ms, rows and columns
+    101 ms; G's 256 rows 70 ms against 63 ms)."""
+    if n_rows <= 0:
+        return None
+    budget = WHOLE_ROW_FRACTION * (n_all + vocab) * hidden
+    copies, row_cost = (2 if gathered_rows else 0), vocab + hidden
+    scratch = int((budget - copies * n_rows * hidden * hidden / row_cost) / (1 + copies * hidden / row_cost))
+    scratch = min(scratch, n_rows * vocab)  # one block of all the rows needs no more
+    if scratch < vocab:
+        return None
+    first = scratch_block_rows(n_rows, hidden, vocab, scratch)
+    return scratch if first >= min(n_rows, MIN_WHOLE_ROWS) else None
+
+
+def scratch_block_rows(rows_left: int, hidden: int, vocab: int, scratch: int) -> int:
+    """Rows of the next whole-row block when rows_left rows are still to compute and its
+    logits [R, V] may fill `scratch` elements plus grad_input's rows not yet written
+    (R rows of grad_input are written by this block: R V <= (rows_left - R) D + scratch);
+    a multiple of WHOLE_ROW_ALIGN unless it is the last block or fewer rows fit."""
+    rows = int((rows_left * hidden + scratch) // (vocab + hidden))
+    if rows >= rows_left:
+        return rows_left
+    return max(1, rows // WHOLE_ROW_ALIGN * WHOLE_ROW_ALIGN or rows)
 
 
 def speed_extra_bytes(n_rows: int, hidden: int, vocab: int, itemsize: int) -> int:

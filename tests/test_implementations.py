@@ -175,23 +175,53 @@ def test_block_rules_split_these_problems(small_chunks):
 
 
 def test_memory_takes_whole_rows_where_enough_fit():
-    """interop.blocking.whole_row_memory_rows: L's "memory" in whole rows within 9.5% of the
-    floor (the issue's memory-first bound is 10% + 16 bytes a row), G's in rows and columns,
-    a call whose rows all fit in one block."""
+    """interop.blocking.whole_row_memory_scratch: L's "memory" in whole rows, its scratch plus
+    the first block's row copies within 9.3% of the floor (the issue's memory-first bound is
+    10% + 16 bytes a row), blocks growing into grad_input's unwritten rows (800 rows first,
+    352 near the end); G's in rows and columns; a call whose rows all fit in one block."""
     import interop.blocking as blocking
 
-    rows = blocking.whole_row_memory_rows(14746, 4096, 128256, 2, gathered_rows=True)
-    assert rows == 416
-    floor = (16384 + 128256) * 4096 * 2
-    assert rows * (128256 + 4096) * 2 <= 0.1 * floor
-    assert blocking.whole_row_memory_rows(8192, 2304, 256000, 2) is None
-    assert blocking.whole_row_memory_rows(100, 4096, 128256, 2) == 100
+    n_all, kept, D, V = 16384, 14746, 4096, 128256
+    scratch = blocking.whole_row_memory_scratch(n_all, kept, D, V, 2, gathered_rows=True)
+    sizes, left = [], kept
+    while left:
+        sizes.append(blocking.scratch_block_rows(left, D, V, scratch))
+        assert sizes[-1] * V <= (left - sizes[-1]) * D + scratch, "a block's logits overflow the scratch"
+        left -= sizes[-1]
+    assert sizes[:2] == [800, 768] and min(sizes[:-1]) == 352 and len(sizes) == 27
+    floor = (n_all + V) * D
+    assert scratch + 2 * sizes[0] * D <= blocking.WHOLE_ROW_FRACTION * floor < 0.1 * floor
+    assert blocking.whole_row_memory_scratch(8192, 8192, 2304, 256000, 2) is None
+    assert blocking.whole_row_memory_scratch(100, 100, 4096, V, 2) == 100 * V
+    assert blocking.scratch_block_rows(100, 4096, V, 100 * V) == 100
 
 
+def test_whole_row_blocks_write_no_logits_over_grad_input_rows_still_needed():
+    """HeadBlocks with a grad_input scratch (and `active` rows): each block's logits start
+    after every row of grad_input that it or an earlier block writes and fit in the buffer;
+    the first blocks are larger than the scratch alone holds."""
+    import torch
+
+    from torch_impl.blocked import BlockPlan, HeadBlocks
+
+    n_all, D, V, scratch = 40, 7, 23, 3 * 23
+    active = torch.tensor([0, 2, 3, 5, 8, 9, 13, 17, 18, 21, 22, 25, 30, 31, 33, 34, 38, 39])
+    x, W = torch.zeros(n_all, D, dtype=torch.bfloat16), torch.zeros(V, D, dtype=torch.bfloat16)
+    plan = BlockPlan("speed", 3, V, torch.bfloat16, grad_input_scratch=scratch)
+    blocks = HeadBlocks(x, W, None, "VD", plan, active=active)
+    dx, _, _, _ = blocks.gradient_buffers(True, False, False)
+    base, end = dx.data_ptr(), dx.data_ptr() + (n_all * D + 64 + scratch) * 2
+    sizes = []
+    for rs in blocks.row_blocks():
+        z = blocks.logits(rs, 0, V)
+        written = int(active[: rs.stop].max()) + 1
+        assert z.data_ptr() >= base + written * D * 2 and z.data_ptr() + z.numel() * 2 <= end
+        sizes.append(rs.stop - rs.start)
+    assert sum(sizes) == len(active) and sizes[0] > 3 and sizes[-1] <= 3
 @pytest.fixture
 def whole_row_memory(monkeypatch):
-    """"memory" in blocks of whole rows at these sizes: 4 rows a block (the fraction of the
-    test problems' gradients that holds 4.5 rows of 53 logits)."""
+    """"memory" in blocks of whole rows at these sizes: a scratch of 4.5 rows of 53 logits
+    (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input)."""
     import interop.blocking as blocking
 
     monkeypatch.setattr(blocking, "MIN_WHOLE_ROWS", 1)
@@ -208,7 +238,7 @@ def test_torch_memory_in_whole_rows_matches_reference(whole_row_memory, case, dt
 
     from torch_impl.blocked import BlockPlan, plan_blocks
 
-    assert plan_blocks("memory", 13, 19, 53, torch.float32, False) == BlockPlan("speed", 4, 53, torch.float32)
+    assert plan_blocks("memory", 13, 19, 53, torch.float32, False) == BlockPlan("speed", 4, 53, torch.float32, None, 238)
     options, problem_kwargs, with_lse = CASES[case]
     seed = seed_of("whole-row-memory", case, dtype)
     p = make_problem(seed, dtype=dtype, **problem_kwargs)

@@ -22,6 +22,7 @@ from tests.test_implementations import check_against_reference
 from torch_impl import blocked
 
 small_chunks = test_implementations.small_chunks  # autouse: several blocks at these sizes
+whole_row_memory = test_implementations.whole_row_memory
 
 # The cases without a returned lse: a returned lse covers every row, so all rows are computed.
 ROW_CASES = [case for case, (_, kwargs, with_lse) in CASES.items() if not with_lse]
@@ -69,6 +70,16 @@ def check_case_with_ignored_rows(adapter, case: str, dtype: str, layout: str):
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 def test_skipping_ignored_rows_matches_reference(skipping, strategy, case, dtype, layout):
     p, options = check_case_with_ignored_rows(TorchAdapter(strategy), case, dtype, layout)
+    assert_skipped_ignored(skipping, p, options.get("ignore_index", -100))
+
+
+@pytest.mark.parametrize("layout", ["VD", "DV"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROW_CASES)
+def test_skipping_in_whole_row_memory_matches_reference(skipping, whole_row_memory, case, dtype, layout):
+    """"memory" in whole rows whose logits lie in grad_input's unwritten rows: the rows
+    skipped there held logits, and must end as zeros."""
+    p, options = check_case_with_ignored_rows(TorchAdapter("memory"), case, dtype, layout)
     assert_skipped_ignored(skipping, p, options.get("ignore_index", -100))
 
 

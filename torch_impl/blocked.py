@@ -16,7 +16,9 @@ Two strategies (`plan_blocks`):
   accumulated in fp32 inside each row block (one matrix product over R rows) and in the
   input dtype across row blocks. Where enough whole rows fit in its budget
   (interop.blocking.whole_row_memory_rows), "memory" runs as "speed" in those blocks with
-  grad_weight in the input dtype (6 N D V flops).
+  grad_weight in the input dtype (6 N D V flops); those blocks' logits lie in a scratch
+  that follows grad_input in one buffer and in grad_input's rows not written yet, so the
+  first blocks are the largest.
 Either may compute only some rows (`active`: those whose target is not ignored, from
 `torch_impl.functional.rows_to_compute`), gathered block by block.
 """
@@ -29,35 +31,41 @@ import math
 
 import torch
 
-from interop.blocking import block_shape, weight_grad_slabs, whole_row_memory_rows
+from interop.blocking import block_shape, scratch_block_rows, weight_grad_slabs, whole_row_memory_scratch
 from interop.options import CrossEntropyOptions
 from torch_impl.ce_kernels import RowMath, TargetCheck
 from torch_impl.kernels import FILTER_COLS, TileFilter, block_grad_, block_stats_
 
 GATHER_SHARE = 0.25  # filtering gathers the kept tiles' columns when at most this share of tiles is kept
+SCRATCH_ALIGN = 64  # elements: a block's logits in grad_input's buffer start 128-byte aligned (16-bit)
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
     """How one call is blocked: `strategy`, rows and columns per block, dW accumulation dtype,
-    and the gradient filter's threshold (None: no filtering)."""
+    the gradient filter's threshold (None: no filtering), and grad_input_scratch: elements of
+    a logits scratch after grad_input (0: none; blocks of whole rows whose size then varies,
+    `HeadBlocks.row_blocks`; block_rows serves loops without grad_input)."""
 
     strategy: str
     block_rows: int
     block_cols: int
     accumulate_dtype: torch.dtype
     filter_eps: float | None = None
+    grad_input_scratch: int = 0
 
 
 def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool,
-                filter_eps: float | None = None, gathered_rows: bool = False) -> BlockPlan:
+                filter_eps: float | None = None, gathered_rows: bool = False, n_all: int | None = None) -> BlockPlan:
     """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
-    n_rows: the rows computed; gathered_rows: they are gathered from x (HeadBlocks.active).
-    "memory" in blocks of whole rows (interop.blocking.whole_row_memory_rows) runs as
-    "speed" with those blocks and grad_weight accumulated in the input dtype."""
+    n_rows: the rows computed, of n_all (default n_rows); gathered_rows: they are gathered
+    from x (HeadBlocks.active). "memory" in blocks of whole rows (interop.blocking.
+    whole_row_memory_scratch) runs as "speed" with grad_weight accumulated in the input
+    dtype and the logits in a scratch after grad_input."""
     itemsize = dtype.itemsize
-    whole_rows = whole_row_memory_rows(n_rows, hidden, vocab, itemsize, gathered_rows) if strategy == "memory" else None
-    if whole_rows:
-        return BlockPlan("speed", whole_rows, vocab, dtype, filter_eps)
+    n_all = n_rows if n_all is None else n_all
+    scratch = whole_row_memory_scratch(n_all, n_rows, hidden, vocab, itemsize, gathered_rows) if strategy == "memory" else None
+    if scratch:
+        return BlockPlan("speed", min(n_rows, scratch // vocab), vocab, dtype, filter_eps, grad_input_scratch=scratch)
     rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
                              narrow_accumulator=accumulate_in_input_dtype)
     if strategy == "speed":
@@ -166,7 +174,13 @@ class HeadBlocks:
 
     `active` (int64 [A], ascending) restricts the work to those rows of x (the others get
     no logits and a zero grad_input): row blocks are then slices of `active`, whose x rows
-    are gathered block by block and whose grad_input rows are scattered back."""
+    are gathered block by block and whose grad_input rows are scattered back.
+
+    With plan.grad_input_scratch, `gradient_buffers` makes grad_input the head of one buffer
+    whose tail is the logits scratch: each row block's logits lie after the rows of
+    grad_input that it and the blocks before it may write, so blocks are larger while
+    grad_input still has unwritten rows (`row_blocks`). The returned grad_input keeps that
+    buffer (the scratch's bytes live as long as it)."""
 
     def __init__(self, x_ND, W, b_V, weight_layout: str, plan: BlockPlan, vocab: int | None = None, logits_dtype=None,
                  active=None):
@@ -176,13 +190,50 @@ class HeadBlocks:
         self.active = active
         self.n_rows = x_ND.shape[0] if active is None else active.shape[0]
         self._gathered = (None, None)  # (row block, its gathered x rows): logits and dW use the same block
-        n = min(plan.block_rows, self.n_rows) * min(plan.block_cols, self.vocab)
-        self.buffer = torch.empty(n if self.logits_dtype == x_ND.dtype else 0, dtype=x_ND.dtype, device=x_ND.device)
+        self._storage = None  # with the scratch: grad_input [N, D] then the logits scratch, flat
+        self.buffer = self._new_buffer(0 if plan.grad_input_scratch else plan.block_rows)
+
+    def _new_buffer(self, rows: int) -> torch.Tensor:
+        """A flat logits buffer for blocks of `rows` rows and plan.block_cols columns."""
+        n = min(rows, self.n_rows) * min(self.plan.block_cols, self.vocab)
+        return torch.empty(n if self.logits_dtype == self.x.dtype else 0, dtype=self.x.dtype, device=self.x.device)
 
     def row_blocks(self):
-        """Slices of the computed rows (of x's rows, or of `active`), plan.block_rows each."""
-        for r0 in range(0, self.n_rows, self.plan.block_rows):
-            yield slice(r0, min(r0 + self.plan.block_rows, self.n_rows))
+        """Slices of the computed rows (of x's rows, or of `active`): plan.block_rows each, or
+        with the scratch as many as fit (interop.blocking.scratch_block_rows)."""
+        if self._storage is None:
+            for r0 in range(0, self.n_rows, self.plan.block_rows):
+                yield slice(r0, min(r0 + self.plan.block_rows, self.n_rows))
+            return
+        r0 = 0
+        while r0 < self.n_rows:
+            r1 = r0 + scratch_block_rows(self.n_rows - r0, self.x.shape[1], self.vocab, self.plan.grad_input_scratch)
+            yield slice(r0, r1)
+            r0 = r1
+
+    def _logits_space(self, rs: slice) -> torch.Tensor:
+        """The flat space for row block rs's logits: the buffer, or the part of grad_input's
+        buffer after every row that blocks up to rs may write (with `active`, ascending, the
+        i-th computed row is at most row N - A + i of x)."""
+        if self._storage is None:
+            return self.buffer
+        n_all, hidden = self.x.shape
+        start = -(-(n_all - self.n_rows + rs.stop) * hidden // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        return self._storage[start:]
+
+    def _grad_input_with_scratch(self) -> torch.Tensor:
+        """grad_input [N, D] in x's dtype, uninitialised: the head of a buffer that ends in the
+        plan's scratch."""
+        n_all, hidden = self.x.shape
+        self._storage = torch.empty(n_all * hidden + SCRATCH_ALIGN + self.plan.grad_input_scratch, dtype=self.x.dtype,
+                                    device=self.x.device)
+        return self._storage[: n_all * hidden].view(n_all, hidden)
+
+    def zero_skipped_dx_rows(self, dx_ND: torch.Tensor) -> None:
+        """With the scratch and `active`, zero grad_input's rows not computed (they held logits)."""
+        if self._storage is not None and self.active is not None:
+            skipped = torch.ones(dx_ND.shape[0], dtype=torch.bool, device=dx_ND.device).index_fill_(0, self.active, False)
+            dx_ND.masked_fill_(skipped[:, None], 0)
 
     def x_rows(self, rs: slice) -> torch.Tensor:
         """x's rows of row block rs, [R, D] (a view, or gathered from `active`)."""
@@ -250,7 +301,7 @@ class HeadBlocks:
         x_R = self.x_rows(rs)
         if self.logits_dtype != x_R.dtype:
             return (x_R @ self.head_cols(v0, cols).T).to(self.logits_dtype)
-        z = self.buffer[: x_R.shape[0] * cols].view(x_R.shape[0], cols)
+        z = self._logits_space(rs)[: x_R.shape[0] * cols].view(x_R.shape[0], cols)
         return torch.mm(x_R, self.head_cols(v0, cols).T, out=z)
 
     def add_grads(self, dz, rs: slice, v0: int, cols: int, dx_out, dW, db, dx_accumulate: bool = False) -> None:
@@ -271,10 +322,16 @@ class HeadBlocks:
     def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool):
         """(dx [N, D] in x's dtype, fp32 [R, D] accumulator when rows span several column
         blocks, dW a WeightGrad in the plan's accumulation dtype, db fp32 [V]; fp64 for fp64
-        inputs). Filtering adds dW in parts: it keeps the plan's accumulator."""
+        inputs). Filtering adds dW in parts: it keeps the plan's accumulator. With the plan's
+        scratch, dx heads the logits' buffer (without dx, a buffer of plan.block_rows rows)."""
         x, W = self.x, self.W
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        dx = (torch.empty_like(x) if self.active is None else torch.zeros_like(x)) if need_x else None
+        if self.plan.grad_input_scratch and need_x:
+            dx = self._grad_input_with_scratch()
+        elif self.plan.grad_input_scratch:
+            dx, self.buffer = None, self._new_buffer(self.plan.block_rows)
+        else:
+            dx = (torch.empty_like(x) if self.active is None else torch.zeros_like(x)) if need_x else None
         dx_acc = torch.zeros(min(self.plan.block_rows, self.n_rows), x.shape[1], dtype=wide, device=x.device) \
             if need_x and not self.whole_rows else None
         # One row block: each element of dW is one product, accumulated in fp32 by cuBLAS
@@ -366,6 +423,8 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
                 blocks.add_grads(z, rs, 0, blocks.vocab, dx_R, dW, db)
             if dx_R is not None:
                 blocks.scatter_dx_rows(dx, rs, dx_R)
+        if dx is not None:
+            blocks.zero_skipped_dx_rows(dx)
     else:
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=dev)
         l, sy, ws = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
@@ -410,6 +469,8 @@ def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_lay
                 dx_acc.zero_()
         if dx_R is not None:
             blocks.scatter_dx_rows(dx, rs, dx_R)
+    if dx is not None:
+        blocks.zero_skipped_dx_rows(dx)
     dz = blocks = dx_acc = None  # the logits buffer goes before dW's conversion allocates its result
     return dx, _final(dW, W), _final(db, b_V)
 

@@ -160,7 +160,7 @@ def linear_cross_entropy(
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
         plan = blocked.plan_blocks(strategy, n_active, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
-                                   filter_eps, gathered_rows=active is not None)
+                                   filter_eps, gathered_rows=active is not None, n_all=shape.n_rows)
         loss, lse_N = KernelLinearCrossEntropy.apply(
             x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, check, active
         )
