@@ -16,6 +16,8 @@ MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a 
 WHOLE_ROW_FRACTION = 0.093  # "memory" in whole rows: logits scratch (+ row copies), as a share of the gradients' bytes
 MIN_WHOLE_ROWS = 384  # ... when its first block has at least this many rows (fewer lose to rows and columns)
 WHOLE_ROW_ALIGN = 32  # ... blocks a multiple of this many rows
+XLA_GEMM_WORKSPACE = 32 << 20  # bytes: the cuBLAS workspace that XLA's products keep among the temporaries
+XLA_ROW_BYTES = 512  # bytes a row of XLA's per-row temporaries in a JAX call (H100, L: ~8.4 MiB of 16384 rows)
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
 WEIGHT_GRAD_SLABS = 2  # a grad_weight accumulator wider than W: at most this many vocabulary slabs,
@@ -92,6 +94,20 @@ def whole_row_memory_scratch(n_all: int, n_rows: int, hidden: int, vocab: int, i
         return None
     first = scratch_block_rows(n_rows, hidden, vocab, scratch)
     return scratch if first >= min(n_rows, MIN_WHOLE_ROWS) else None
+
+
+def whole_row_memory_block_rows(n_rows: int, hidden: int, vocab: int, itemsize: int,
+                                gathered_rows: bool = False) -> int | None:
+    """JAX's rows per block of "memory" in whole rows, where PyTorch's takes them
+    (`whole_row_memory_scratch`), else None. XLA owns grad_input's buffer, so the blocks
+    are fixed: their logits, with gathered_rows their x and grad_input rows, XLA's GEMM
+    workspace and its per-row temporaries stay within WHOLE_ROW_FRACTION of the gradients'
+    bytes (H100, L: 377 rows without those two measured 1.12 x the floor)."""
+    if whole_row_memory_scratch(n_rows, n_rows, hidden, vocab, itemsize, gathered_rows) is None:
+        return None
+    budget = WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize - XLA_GEMM_WORKSPACE - XLA_ROW_BYTES * n_rows
+    rows = int(budget // ((vocab + (2 * hidden if gathered_rows else 0)) * itemsize))
+    return min(n_rows, rows) if rows >= 1 else None
 
 
 def scratch_block_rows(rows_left: int, hidden: int, vocab: int, scratch: int) -> int:

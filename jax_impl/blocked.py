@@ -8,7 +8,8 @@ blocks (interop.blocking) as `torch_impl.blocked`.
   accumulated in fp32 (or the input dtype with accumulate_in_input_dtype).
 - "memory": blocks of rows and vocabulary columns; the backward rule recomputes the
   logits (8 N D V flops); grad_input of a row block is accumulated in fp32 over its
-  column blocks, grad_weight in the input dtype.
+  column blocks, grad_weight in the input dtype. Where enough whole rows fit (`plan`),
+  "memory" runs as "speed" in those blocks with grad_weight in the input dtype.
 A large call without a returned lse (interop.blocking.skipping_pays) computes only the row
 blocks that hold rows whose target is not ignored, those rows first (`jax_impl.rows.row_loop`
 with `keep`): as PyTorch's kernels, the other rows get no logits and a zero grad_input.
@@ -23,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import block_shape, skipping_pays
+from interop.blocking import block_shape, skipping_pays, whole_row_memory_block_rows
 from interop.options import CrossEntropyOptions
 from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl.matmul import contract
@@ -62,14 +63,18 @@ class BlockedConfig:
 
 def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype, return_lse,
          platform) -> BlockedConfig:
-    """The call's configuration. "memory" stays in blocks of rows and columns: run as "speed"
-    in whole rows with a 16-bit grad_weight (as torch_impl.blocked.plan_blocks does where they
-    fit), XLA held about one more W (H100, L: 98.6 ms at 1.94 x the floor, against 126 ms at
-    1.34 x)."""
+    """The call's configuration. "memory" runs as "speed" in blocks of whole rows with a
+    16-bit grad_weight where PyTorch's does (interop.blocking.whole_row_memory_block_rows:
+    XLA owns grad_input's buffer, so the blocks do not grow into it as PyTorch's do)."""
     skip = not return_lse and skipping_pays(n_rows, hidden, vocab)
-    rows, cols = block_shape(strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize, gathered_rows=skip)
+    itemsize = jnp.dtype(dtype).itemsize
+    interpret = platform != "gpu"
+    whole_rows = whole_row_memory_block_rows(n_rows, hidden, vocab, itemsize, skip) if strategy == "memory" else None
+    if whole_rows:
+        return BlockedConfig(options, weight_layout, "speed", whole_rows, vocab, True, return_lse, interpret, skip)
+    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip)
     return BlockedConfig(options, weight_layout, strategy, rows, cols, accumulate_in_input_dtype, return_lse,
-                         interpret=platform != "gpu", skip_ignored=skip)
+                         interpret=interpret, skip_ignored=skip)
 
 
 class Head:

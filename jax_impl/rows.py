@@ -90,9 +90,9 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     then taken kept rows first (each group in ascending order), each block's rows gathered
     and its outputs scattered back: the full blocks of kept rows, then blocks of
     block_rows / tail_split rows (block_rows if it does not divide them) up to the last
-    kept row, then the static remainder of those smaller blocks if it holds kept rows. Rows
-    that share those blocks with kept rows are computed too; the others are never visited
-    and get zeros in outs.
+    kept row, then the static remainder of those smaller blocks if it holds kept rows (a
+    loop of 0 or 1 trips). Rows that share those blocks with kept rows are computed too;
+    the others are never visited and get zeros in outs.
     """
     n_full, rest = divmod(n_rows, block_rows)
     if n_full == 1 and not rest:
@@ -129,5 +129,7 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     rest = n_rows % tail
     if not rest:
         return state
+    # A loop of 0 or 1 trips, not lax.cond: XLA copies a carry that a conditional passes
+    # through, which cost one more grad_weight (H100, L, whole-row blocks: 1.94 x the floor).
     last = n_rows - rest
-    return jax.lax.cond(n_kept > last, lambda st: step(last, rest, st), lambda st: st, state)
+    return blocks(state, last, (n_kept > last).astype(jnp.int32), rest)

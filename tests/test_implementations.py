@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.frameworks import (CASES, DTYPES, TorchAdapter, cpu_implementations, make_problem, reference, rel_err, seed_of,
+from tests.frameworks import (CASES, DTYPES, JaxAdapter, TorchAdapter, cpu_implementations, make_problem, reference, rel_err, seed_of,
                               tolerance, upstream_grads)
 
 IMPLEMENTATIONS = cpu_implementations()
@@ -192,6 +192,8 @@ def test_memory_takes_whole_rows_where_enough_fit():
     floor = (n_all + V) * D
     assert scratch + 2 * sizes[0] * D <= blocking.WHOLE_ROW_FRACTION * floor < 0.1 * floor
     assert blocking.whole_row_memory_scratch(8192, 8192, 2304, 256000, 2) is None
+    assert blocking.whole_row_memory_block_rows(n_all, D, V, 2, gathered_rows=True) == 250  # JAX: fixed blocks
+    assert blocking.whole_row_memory_block_rows(8192, 2304, 256000, 2, gathered_rows=True) is None
     assert blocking.whole_row_memory_scratch(100, 100, 4096, V, 2) == 100 * V
     assert blocking.scratch_block_rows(100, 4096, V, 100 * V) == 100
 
@@ -218,32 +220,48 @@ def test_whole_row_blocks_write_no_logits_over_grad_input_rows_still_needed():
         assert z.data_ptr() >= base + written * D * 2 and z.data_ptr() + z.numel() * 2 <= end
         sizes.append(rs.stop - rs.start)
     assert sum(sizes) == len(active) and sizes[0] > 3 and sizes[-1] <= 3
+
+
 @pytest.fixture
 def whole_row_memory(monkeypatch):
     """"memory" in blocks of whole rows at these sizes: a scratch of 4.5 rows of 53 logits
-    (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input)."""
+    (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input,
+    and in JAX, whose XLA workspace and per-row temporaries are left out here)."""
     import interop.blocking as blocking
 
     monkeypatch.setattr(blocking, "MIN_WHOLE_ROWS", 1)
     monkeypatch.setattr(blocking, "WHOLE_ROW_ALIGN", 1)
     monkeypatch.setattr(blocking, "WHOLE_ROW_FRACTION", 4.5 * 53 / ((13 + 53) * 19))
+    monkeypatch.setattr(blocking, "XLA_GEMM_WORKSPACE", 0)
+    monkeypatch.setattr(blocking, "XLA_ROW_BYTES", 0)
+
+
+def test_memory_plans_in_whole_rows(whole_row_memory):
+    """Both frameworks' "memory" plans where whole rows fit: "speed" blocks with grad_weight in
+    the input dtype; PyTorch's with the scratch after grad_input, JAX's in the scratch's rows."""
+    import jax.numpy as jnp
+    import torch
+
+    from interop.options import CrossEntropyOptions
+    from jax_impl.blocked import plan
+    from torch_impl.blocked import BlockPlan, plan_blocks
+
+    assert plan_blocks("memory", 13, 19, 53, torch.float32, False) == BlockPlan("speed", 4, 53, torch.float32, None, 238)
+    cfg = plan(CrossEntropyOptions(), "VD", "memory", 13, 19, 53, jnp.bfloat16, False, False, "cpu")
+    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.accumulate_in_input_dtype) == ("speed", 4, 53, True)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_torch_memory_in_whole_rows_matches_reference(whole_row_memory, case, dtype):
-    """PyTorch's "memory" where whole rows fit runs "speed"'s blocks with grad_weight in the
-    input dtype (several row blocks here), against the float64 reference."""
-    import torch
-
-    from torch_impl.blocked import BlockPlan, plan_blocks
-
-    assert plan_blocks("memory", 13, 19, 53, torch.float32, False) == BlockPlan("speed", 4, 53, torch.float32, None, 238)
+@pytest.mark.parametrize("adapter", [TorchAdapter, JaxAdapter])
+def test_memory_in_whole_rows_matches_reference(whole_row_memory, adapter, case, dtype):
+    """"memory" where whole rows fit runs "speed"'s blocks with grad_weight in the input
+    dtype (several row blocks here), against the float64 reference."""
     options, problem_kwargs, with_lse = CASES[case]
     seed = seed_of("whole-row-memory", case, dtype)
     p = make_problem(seed, dtype=dtype, **problem_kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
-    result = TorchAdapter("memory").run(p, options, g_out, g_lse)
+    result = adapter("memory").run(p, options, g_out, g_lse)
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 

@@ -110,6 +110,15 @@ def test_jax_skipping_ignored_rows_matches_reference(jax_skipping, strategy, cas
     assert jax_skipping and all(keep is not None for keep in jax_skipping), "the call computed every row"
 
 
+@pytest.mark.parametrize("layout", ["VD", "DV"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", ROW_CASES)
+def test_jax_skipping_in_whole_row_memory_matches_reference(jax_skipping, whole_row_memory, case, dtype, layout):
+    """JAX's "memory" in blocks of whole rows (a 16-bit grad_weight), skipping ignored rows."""
+    check_case_with_ignored_rows(JaxAdapter("memory"), case, dtype, layout)
+    assert jax_skipping and all(keep is not None for keep in jax_skipping), "the call computed every row"
+
+
 def test_jax_returned_lse_computes_every_row(jax_skipping):
     p = make_problem(6, ignore_frac=0.5)
     g_out, g_lse = upstream_grads(6, p, "mean", True)
