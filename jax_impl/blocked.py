@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import block_shape, skipping_pays, whole_row_memory_block_rows
+from interop.blocking import block_shape, skipping_pays, whole_row_memory_block_rows, xla_memory_block_shape
 from interop.options import CrossEntropyOptions
 from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl.matmul import contract
@@ -65,14 +65,19 @@ def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumul
          platform) -> BlockedConfig:
     """The call's configuration. "memory" runs as "speed" in blocks of whole rows with a
     16-bit grad_weight where PyTorch's does (interop.blocking.whole_row_memory_block_rows:
-    XLA owns grad_input's buffer, so the blocks do not grow into it as PyTorch's do)."""
+    XLA owns grad_input's buffer, so the blocks do not grow into it as PyTorch's do), else
+    in blocks of rows and columns sized for XLA's temporaries (interop.blocking.
+    xla_memory_block_shape)."""
     skip = not return_lse and skipping_pays(n_rows, hidden, vocab)
     itemsize = jnp.dtype(dtype).itemsize
     interpret = platform != "gpu"
     whole_rows = whole_row_memory_block_rows(n_rows, hidden, vocab, itemsize, skip) if strategy == "memory" else None
     if whole_rows:
         return BlockedConfig(options, weight_layout, "speed", whole_rows, vocab, True, return_lse, interpret, skip)
-    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip)
+    if strategy == "memory":
+        rows, cols = xla_memory_block_shape(n_rows, hidden, vocab, itemsize, gathered_rows=skip)
+    else:
+        rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip)
     return BlockedConfig(options, weight_layout, strategy, rows, cols, accumulate_in_input_dtype, return_lse,
                          interpret=interpret, skip_ignored=skip)
 

@@ -19,7 +19,7 @@ def small_chunks(monkeypatch):
     """Several chunks / blocks at these small sizes (the defaults would use one).
 
     chunked: ceil(N * D / V) rows, 5 for most problems here; speed: blocks of 4 whole rows;
-    memory: blocks of 4 rows x 8 to 12 columns; an fp32 grad_weight of a 16-bit W in 5
+    memory: blocks of 4 rows x 8 to 12 columns (JAX: 8); an fp32 grad_weight of a 16-bit W in 5
     vocabulary slabs.
     """
     import interop.options
@@ -32,6 +32,9 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(interop.blocking, "WEIGHT_GRAD_SLABS", 5)
     monkeypatch.setattr(interop.blocking, "WEIGHT_GRAD_SLAB_BYTES", 1)
     monkeypatch.setattr(interop.blocking, "SLAB_ALIGN", 1)
+    monkeypatch.setattr(interop.blocking, "XLA_MEMORY_COLS", 8)
+    monkeypatch.setattr(interop.blocking, "XLA_GEMM_WORKSPACE", 0)
+    monkeypatch.setattr(interop.blocking, "XLA_ROW_BYTES", 0)
 
 
 def check_against_reference(result, ref, dtype, logit_scale=1.0, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):
@@ -174,13 +177,15 @@ def test_block_rules_split_these_problems(small_chunks):
     assert memory.block_rows == 4 and 4 <= memory.block_cols < 53 and 53 % memory.block_cols
 
 
-def test_memory_takes_whole_rows_where_enough_fit():
+def test_memory_takes_whole_rows_where_enough_fit(monkeypatch):
     """interop.blocking.whole_row_memory_scratch: L's "memory" in whole rows, its scratch plus
     the first block's row copies within 9.3% of the floor (the issue's memory-first bound is
     10% + 16 bytes a row), blocks growing into grad_input's unwritten rows (800 rows first,
     352 near the end); G's in rows and columns; a call whose rows all fit in one block."""
     import interop.blocking as blocking
 
+    for name, value in [("MIN_BLOCK", 128), ("XLA_GEMM_WORKSPACE", 32 << 20), ("XLA_ROW_BYTES", 512), ("XLA_MEMORY_COLS", 2048)]:
+        monkeypatch.setattr(blocking, name, value)  # the defaults, not small_chunks'
     n_all, kept, D, V = 16384, 14746, 4096, 128256
     scratch = blocking.whole_row_memory_scratch(n_all, kept, D, V, 2, gathered_rows=True)
     sizes, left = [], kept
@@ -194,6 +199,7 @@ def test_memory_takes_whole_rows_where_enough_fit():
     assert blocking.whole_row_memory_scratch(8192, 8192, 2304, 256000, 2) is None
     assert blocking.whole_row_memory_block_rows(n_all, D, V, 2, gathered_rows=True) == 250  # JAX: fixed blocks
     assert blocking.whole_row_memory_block_rows(8192, 2304, 256000, 2, gathered_rows=True) is None
+    assert blocking.xla_memory_block_shape(8192, 2304, 256000, 2, gathered_rows=True) == (2048, 2048)  # JAX at G
     assert blocking.whole_row_memory_scratch(100, 100, 4096, V, 2) == 100 * V
     assert blocking.scratch_block_rows(100, 4096, V, 100 * V) == 100
 
