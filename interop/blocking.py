@@ -68,6 +68,12 @@ def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: i
     return rows, cols
 
 
+def _xla_block_budget(n_rows: int, hidden: int, vocab: int, itemsize: int) -> float:
+    """Bytes left to a JAX "memory" block within WHOLE_ROW_FRACTION of the gradients' bytes,
+    after XLA's GEMM workspace and per-row temporaries."""
+    return WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize - XLA_GEMM_WORKSPACE - XLA_ROW_BYTES * n_rows
+
+
 def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int,
                            gathered_rows: bool = False) -> tuple[int, int]:
     """JAX's (rows, cols) for "memory" in blocks of rows and columns (XLA_MEMORY_COLS
@@ -79,8 +85,7 @@ def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int,
     the floor, 1152 x 4096 96.9 ms at 1.10 x, 1536 x 3072 90.0 ms at 1.09 x, 2048 x 2048
     (this) 88.4 ms at 1.08 x."""
     cols = min(vocab, XLA_MEMORY_COLS)
-    budget = (WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize - XLA_GEMM_WORKSPACE - XLA_ROW_BYTES * n_rows
-              - 2 * cols * hidden * itemsize)
+    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - 2 * cols * hidden * itemsize
     row_bytes = cols * itemsize + 2 * hidden * 4 + (hidden * itemsize if gathered_rows else 0)
     rows = _round_down(int(max(budget, 0) // row_bytes), MIN_BLOCK)
     return max(1, min(n_rows, rows)), cols
@@ -95,14 +100,14 @@ def whole_row_memory_scratch(n_all: int, n_rows: int, hidden: int, vocab: int, i
 
     grad_input and the scratch are one buffer, and a block's logits (rewritten as dz) lie in
     the scratch and in the rows of grad_input that no block has written yet, so the first
-    blocks are the largest (`scratch_block_rows`: L 800 rows first, 352 near the end). The scratch
-    plus, with gathered_rows (n_rows of n_all computed), the first block's copies of its x
-    and grad_input rows stay within WHOLE_ROW_FRACTION of the gradients' bytes (the
-    issue's bound is 10% + 16 bytes a row: 9.5% measured 1243.5 MiB at L, 0.25 MiB over it,
-    from the per-row tensors and the allocator's rounding); whole rows are taken when the first block holds
-    at least MIN_WHOLE_ROWS rows (fewer lose to rows and columns: H100, bf16, L with 10% of
-    rows ignored, fixed blocks of 384 rows took 94.0 ms, 448 rows 90.6 ms, rows and columns
-    101 ms; G's 256 rows 70 ms against 63 ms)."""
+    blocks are the largest (`scratch_block_rows`: L 800 rows first, 352 near the end). The
+    scratch plus, with gathered_rows (n_rows of n_all computed), the first block's copies
+    of its x and grad_input rows stay within WHOLE_ROW_FRACTION of the gradients' bytes
+    (the issue's bound is 10% + 16 bytes a row: 9.5% measured 1243.5 MiB at L, 0.25 MiB
+    over it, from the per-row tensors and the allocator's rounding); whole rows are taken
+    when the first block holds at least MIN_WHOLE_ROWS rows (fewer lose to rows and
+    columns: H100, bf16, L with 10% of rows ignored, fixed blocks of 384 rows took 94.0 ms,
+    448 rows 90.6 ms, rows and columns 101 ms; G's 256 rows 70 ms against 63 ms)."""
     if n_rows <= 0:
         return None
     budget = WHOLE_ROW_FRACTION * (n_all + vocab) * hidden
@@ -124,7 +129,7 @@ def whole_row_memory_block_rows(n_rows: int, hidden: int, vocab: int, itemsize: 
     bytes (H100, L: 377 rows without those two measured 1.12 x the floor)."""
     if whole_row_memory_scratch(n_rows, n_rows, hidden, vocab, itemsize, gathered_rows) is None:
         return None
-    budget = WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize - XLA_GEMM_WORKSPACE - XLA_ROW_BYTES * n_rows
+    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize)
     rows = int(budget // ((vocab + (2 * hidden if gathered_rows else 0)) * itemsize))
     return min(n_rows, rows) if rows >= 1 else None
 

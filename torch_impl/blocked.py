@@ -15,7 +15,7 @@ Two strategies (`plan_blocks`):
   bytes. The backward pass recomputes the logits (8 N D V flops). grad_weight is
   accumulated in fp32 inside each row block (one matrix product over R rows) and in the
   input dtype across row blocks. Where enough whole rows fit in its budget
-  (interop.blocking.whole_row_memory_rows), "memory" runs as "speed" in those blocks with
+  (interop.blocking.whole_row_memory_scratch), "memory" runs as "speed" in those blocks with
   grad_weight in the input dtype (6 N D V flops); those blocks' logits lie in a scratch
   that follows grad_input in one buffer and in grad_input's rows not written yet, so the
   first blocks are the largest.
