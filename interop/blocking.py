@@ -151,6 +151,20 @@ def speed_extra_bytes(n_rows: int, hidden: int, vocab: int, itemsize: int) -> in
     return vocab * hidden * 4 + rows * cols * itemsize
 
 
+def forward_only_rows(n_rows: int, hidden: int, vocab: int, itemsize: int) -> int:
+    """Rows per block of "speed" for a call that takes no gradient: it holds no grad_weight
+    accumulator, so its logits block may take those bytes too (all that "speed" holds beyond
+    the gradients, `speed_extra_bytes`); the rows are spread evenly over the fewest blocks, in
+    multiples of MIN_BLOCK. The products of fewer, larger blocks run faster (H100, bf16, the
+    logits of the rows not ignored, 10% ignored: G's 7373 rows in blocks of 1024 rows took
+    12.07 ms, of 4096 11.38 ms, in one product 11.25 ms; L's 14746 rows in blocks of 2048
+    20.23 ms, of 4096 20.14 ms, in one product 19.35 ms)."""
+    most = _round_down(speed_extra_bytes(n_rows, hidden, vocab, itemsize) // (vocab * itemsize), MIN_BLOCK)
+    blocks = -(-n_rows // most)
+    rows = -(-n_rows // max(1, blocks))
+    return max(1, min(n_rows, most, -(-rows // MIN_BLOCK) * MIN_BLOCK))
+
+
 def weight_grad_slabs(vocab: int, class_bytes: int, wider_than_weight: bool) -> list[int]:
     """Edges [0, .., vocab] of the vocabulary slabs of a grad_weight accumulator whose class
     (one row of W) takes class_bytes: one slab when it has W's dtype; when it is wider (fp32

@@ -311,6 +311,82 @@ def test_speed_blocks_grow_with_a_16_bit_accumulator():
     assert blocking.block_shape("speed", n, small_head, v, 2, narrow_accumulator=True)[0] == wide
 
 
+def test_forward_only_speed_blocks_take_the_accumulators_bytes(monkeypatch):
+    """A call without gradients holds no grad_weight accumulator: "speed" blocks then take
+    what "speed" holds beyond the gradients (fp32 grad_weight + one block), spread evenly
+    over the fewest blocks, whole multiples of MIN_BLOCK rows (the default sizes here)."""
+    import torch
+
+    import interop.blocking as blocking
+    from torch_impl.blocked import plan_blocks
+
+    monkeypatch.setattr(blocking, "MIN_BLOCK", 128)
+    monkeypatch.setattr(blocking, "SPEED_BLOCK_ELEMENTS", 1 << 28)
+    assert blocking.forward_only_rows(7373, 2304, 256000, 2) == 3712  # G's rows not ignored: 2 blocks, was 8
+    assert blocking.forward_only_rows(14746, 4096, 128256, 2) == 7424  # L's: 2 blocks, was 8
+    assert blocking.forward_only_rows(100, 4096, 128256, 2) == 100
+    for n, d, v, itemsize in [(7373, 2304, 256000, 2), (50000, 4096, 128256, 2), (50000, 1024, 32000, 4)]:
+        rows = blocking.forward_only_rows(n, d, v, itemsize)
+        assert rows % blocking.MIN_BLOCK == 0 and rows * v * itemsize <= blocking.speed_extra_bytes(n, d, v, itemsize)
+        assert -(-n // rows) == -(-n * v * itemsize // blocking.speed_extra_bytes(n, d, v, itemsize))
+        assert rows > blocking.block_shape("speed", n, d, v, itemsize)[0]
+    speed = plan_blocks("speed", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
+    assert (speed.block_rows, speed.block_cols) == (3712, 256000)
+    memory = plan_blocks("memory", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
+    assert memory == plan_blocks("memory", 7373, 2304, 256000, torch.bfloat16, False)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("case", ["mean", "everything-none-lse", "custom-ignore-index"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_forward_only_speed_in_larger_blocks_matches_reference(monkeypatch, dtype, case, skip):
+    """Without gradients, "speed" runs the forward-only plan (several blocks here, fewer and
+    larger than with gradients), with and without skipping ignored rows; loss and lse match
+    the float64 reference."""
+    import torch
+
+    import interop.blocking
+    from torch_impl import blocked
+
+    if skip:
+        monkeypatch.setattr(interop.blocking, "SKIP_IGNORED_MIN_WORK", 0)
+    plans = []
+    plan_blocks = blocked.plan_blocks
+    monkeypatch.setattr(blocked, "plan_blocks", lambda *a, **k: plans.append(plan_blocks(*a, **k)) or plans[-1])
+    options, problem_kwargs, with_lse = CASES[case]
+    seed = seed_of(case, dtype, "VD")
+    p = make_problem(seed, lead=(61,), dtype=dtype, **problem_kwargs)
+    adapter = TorchAdapter("speed")
+    with torch.no_grad():
+        out = adapter.call(p.x, p.W, p.y, linear_bias=p.b, weight=p.cw, return_lse=with_lse, **options)
+    loss, lse = out if with_lse else (out, None)
+    n_rows = 61 if not skip or case == "everything-none-lse" else int((p.y != options.get("ignore_index", -100)).sum())
+    with_grads = plan_blocks("speed", n_rows, 19, 53, adapter.dtypes[dtype], False)
+    assert 1 < -(-n_rows // plans[-1].block_rows) < -(-n_rows // with_grads.block_rows)
+    ref = reference(p, options, upstream_grads(seed, p, options.get("reduction", "mean"), False)[0], None)
+    check_against_reference({"loss": loss.double().numpy(), **({"lse": lse.double().numpy()} if with_lse else {})},
+                            ref, dtype, p.logit_scale)
+
+
+def test_forward_only_plan_when_no_input_needs_a_gradient(monkeypatch):
+    """linear_cross_entropy plans forward-only blocks exactly when no input needs a gradient."""
+    import torch
+
+    import torch_impl
+    from torch_impl import blocked
+
+    flags = []
+    plan_blocks = blocked.plan_blocks
+    monkeypatch.setattr(blocked, "plan_blocks", lambda *a, **k: flags.append(k["forward_only"]) or plan_blocks(*a, **k))
+    p = make_problem(3)
+    x, W, y = (torch.from_numpy(a) for a in (p.x, p.W, p.y))
+    torch_impl.linear_cross_entropy(x, W, y, strategy="speed")
+    torch_impl.linear_cross_entropy(x, W.requires_grad_(), y, strategy="speed")
+    with torch.no_grad():
+        torch_impl.linear_cross_entropy(x, W, y, strategy="speed")
+    assert flags == [True, False, True]
+
+
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 def test_accumulate_in_input_dtype(impl):
     """Still within the dtype's tolerance here (few blocks), and the gradient keeps W's dtype."""

@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from interop.blocking import block_shape, scratch_block_rows, weight_grad_slabs, whole_row_memory_scratch
+from interop.blocking import (block_shape, forward_only_rows, scratch_block_rows, weight_grad_slabs,
+                              whole_row_memory_scratch)
 from interop.options import CrossEntropyOptions
 from torch_impl.ce_kernels import RowMath, TargetCheck
 from torch_impl.kernels import FILTER_COLS, TileFilter, block_grad_, block_stats_
@@ -55,12 +56,14 @@ class BlockPlan:
 
 
 def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool,
-                filter_eps: float | None = None, gathered_rows: bool = False, n_all: int | None = None) -> BlockPlan:
+                filter_eps: float | None = None, gathered_rows: bool = False, n_all: int | None = None,
+                forward_only: bool = False) -> BlockPlan:
     """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
     n_rows: the rows computed, of n_all (default n_rows); gathered_rows: they are gathered
-    from x (HeadBlocks.active). "memory" in blocks of whole rows (interop.blocking.
-    whole_row_memory_scratch) runs as "speed" with grad_weight accumulated in the input
-    dtype and the logits in a scratch after grad_input."""
+    from x (HeadBlocks.active); forward_only: the call takes no gradient ("speed" then
+    takes larger blocks: interop.blocking.forward_only_rows). "memory" in blocks of whole
+    rows (interop.blocking.whole_row_memory_scratch) runs as "speed" with grad_weight
+    accumulated in the input dtype and the logits in a scratch after grad_input."""
     itemsize = dtype.itemsize
     n_all = n_rows if n_all is None else n_all
     scratch = whole_row_memory_scratch(n_all, n_rows, hidden, vocab, itemsize, gathered_rows) if strategy == "memory" else None
@@ -68,6 +71,8 @@ def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torc
         return BlockPlan("speed", min(n_rows, scratch // vocab), vocab, dtype, filter_eps, grad_input_scratch=scratch)
     rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
                              narrow_accumulator=accumulate_in_input_dtype)
+    if strategy == "speed" and forward_only:
+        rows = forward_only_rows(n_rows, hidden, vocab, itemsize)
     if strategy == "speed":
         return BlockPlan("speed", rows, cols, dtype if accumulate_in_input_dtype else torch.float32, filter_eps)
     return BlockPlan("memory", rows, cols, dtype, filter_eps)

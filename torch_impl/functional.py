@@ -159,8 +159,10 @@ def linear_cross_entropy(
         skip = not return_lse and skipping_pays(shape.n_rows, shape.hidden, shape.vocab)
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
+        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_ND, linear_weight, linear_bias))
         plan = blocked.plan_blocks(strategy, n_active, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
-                                   filter_eps, gathered_rows=active is not None, n_all=shape.n_rows)
+                                   filter_eps, gathered_rows=active is not None, n_all=shape.n_rows,
+                                   forward_only=not needs_grad)
         loss, lse_N = KernelLinearCrossEntropy.apply(
             x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, check, active
         )
