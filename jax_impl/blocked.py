@@ -155,6 +155,11 @@ class _Problem(Head):
         self.keep = self.rows.valid if cfg.skip_ignored else None  # the rows row_loop must compute
 
 
+def _bias_grad_buffer(prob: _Problem, b_V):
+    """The fp32 [V] accumulator of grad_bias, or None without a bias (no column sums of dz)."""
+    return None if b_V is None else jnp.zeros((prob.vocab,), jnp.float32)
+
+
 def _stats_of_block(prob: _Problem, z, v0, y_R, stats):
     opts = prob.cfg.options
     return block_stats(z, v0_array(v0), prob.b, prob.cw, y_R, stats, opts.softcap, opts.label_smoothing > 0,
@@ -198,13 +203,15 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         dz = block_grad(z, v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
         dx_R = prob.grad_input_share(dz, W, x_R.dtype)
         dW = dW + prob.grad_weight_share(dz, x_R, dW.dtype)
-        return (dW, db + dz.astype(jnp.float32).sum(0)), (lse, s_y, ws, dx_R)
+        if db is not None:
+            db = db + dz.astype(jnp.float32).sum(0)
+        return (dW, db), (lse, s_y, ws, dx_R)
 
     per_row = (x_ND, rows.safe_y, rows.valid, rows.bad, rows.in_range, rows.cw_y)
     carry = None
     if with_grads:
         acc = W.dtype if cfg.accumulate_in_input_dtype else jnp.float32
-        carry = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
+        carry = (jnp.zeros(W.shape, acc), _bias_grad_buffer(prob, b_V))
     carry, outs = row_loop(row_step, carry, per_row, n, cfg.block_rows, prob.keep, cfg.tail_split)
     lse, s_y, ws = outs[:3]
     loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, prob.cw_sum, prob.vocab), rows, opts.reduction)
@@ -235,7 +242,7 @@ def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig)
 
     per_row = (x_ND, rows.safe_y, lse_N, p_coef, t_coef, s_coef)
     acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else jnp.float32
-    init = (jnp.zeros(W.shape, acc), jnp.zeros((prob.vocab,), jnp.float32))
+    init = (jnp.zeros(W.shape, acc), _bias_grad_buffer(prob, b_V))
     (dW, db), (dx,) = row_loop(row_step, init, per_row, x_ND.shape[0], cfg.block_rows, prob.keep, cfg.tail_split)
     return dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype)
 

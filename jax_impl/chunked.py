@@ -103,10 +103,13 @@ def _bwd(cfg: ChunkedConfig, res, cotangents):
         dx_CD = contract(dz_in, W, 1, contract_w, dtype)
         dW_C = contract(dz_in, x_CD, 0, 0, dtype) if cfg.weight_layout == "VD" else contract(x_CD, dz_in, 0, 0, dtype)
         dW = dW + dW_C.astype(dW.dtype)
-        return (dW, db + dz_CV.sum(0)), (dx_CD.astype(x_CD.dtype),)
+        if db is not None:
+            db = db + dz_CV.sum(0)
+        return (dW, db), (dx_CD.astype(x_CD.dtype),)
 
     per_row = (x_ND, lse_N, p_coef, t_coef, s_coef, rows.safe_y)
-    init = (jnp.zeros(W.shape, W.dtype if cfg.accumulate_in_input_dtype else dtype), jnp.zeros((vocab,), dtype))
+    init = (jnp.zeros(W.shape, W.dtype if cfg.accumulate_in_input_dtype else dtype),
+            None if b_V is None else jnp.zeros((vocab,), dtype))
     (dW, db), (dx_ND,) = row_loop(chunk, init, per_row, n_rows, cfg.chunk_rows)
     return (dx_ND, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype), None, None)
 

@@ -293,6 +293,43 @@ def test_jax_row_loop_visits_each_row_once(n_rows, block_rows):
     np.testing.assert_array_equal(np.asarray(tagged), np.arange(n_rows) + 100 * (np.arange(n_rows) // block_rows))
 
 
+def _equations(jaxpr):
+    """The equations of jaxpr and of its sub-jaxprs (loops, custom_vjp rules, pjit calls)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def _column_sums(jaxpr, n_rows: int) -> int:
+    """reduce_sum equations over axis 0 of an [n_rows, C] operand in jaxpr."""
+    return sum(e.primitive.name == "reduce_sum" and e.params["axes"] == (0,) and len(e.invars[0].aval.shape) == 2
+               and e.invars[0].aval.shape[0] == n_rows for e in _equations(jaxpr))
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
+def test_jax_sums_dz_columns_only_for_a_bias(strategy):
+    """grad_bias is dz's column sum: without a bias no path computes it (it cost JAX's "memory"
+    a reduction of every block, 4 ms at G on an H100); with one, the same trace has it."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    p = make_problem(5, lead=(12,), bias=True)
+    x, W, b, y = (jnp.asarray(a) for a in (p.x, p.W, p.b, p.y))
+    rows = 4  # the small_chunks fixture's blocks (chunked: 5 rows)
+    loss = lambda x, W, b: jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, strategy=strategy)
+    n = 5 if strategy == "chunked" else rows
+    with_bias = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, W, b).jaxpr
+    without = jax.make_jaxpr(jax.grad(lambda x, W: loss(x, W, None), argnums=(0, 1)))(x, W).jaxpr
+    assert _column_sums(with_bias, n) >= 1
+    assert _column_sums(without, n) == 0
+
+
 def test_speed_blocks_grow_with_a_16_bit_accumulator():
     """"speed" blocks take NARROW_SPEED_BLOCK_GROWTH x the logits when grad_weight is
     accumulated in a 16-bit input dtype with one logits buffer and the head is large enough
