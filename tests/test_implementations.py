@@ -293,6 +293,54 @@ def test_jax_row_loop_visits_each_row_once(n_rows, block_rows):
     np.testing.assert_array_equal(np.asarray(tagged), np.arange(n_rows) + 100 * (np.arange(n_rows) // block_rows))
 
 
+def test_jax_memory_forward_pass_takes_wider_column_blocks(monkeypatch):
+    """JAX "memory" in rows x columns: the forward pass (statistics only) holds neither the
+    grad_input accumulator nor a grad_weight share, so its column blocks are wider (G: 7552
+    columns against the backward pass's 2048, default sizes)."""
+    import jax.numpy as jnp
+
+    import interop.blocking as blocking
+    from jax_impl.blocked import plan
+    from interop.options import CrossEntropyOptions
+
+    for name, value in [("MIN_BLOCK", 128), ("XLA_MEMORY_COLS", 2048), ("XLA_GEMM_WORKSPACE", 32 << 20),
+                        ("XLA_ROW_BYTES", 512)]:
+        monkeypatch.setattr(blocking, name, value)
+    opts = CrossEntropyOptions("mean", -100, 0.0, 0.0, None)
+    cfg = plan(opts, "VD", "memory", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
+    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.forward_cols) == ("memory", 2048, 2048, 7552)
+    budget = blocking._xla_block_budget(8192, 2304, 256000, 2) - 2048 * 2304 * 2  # the gathered x rows
+    assert (2048 + 2304) * 2 * cfg.forward_cols <= budget < (2048 + 2304) * 2 * (cfg.forward_cols + 128)
+    speed = plan(opts, "VD", "speed", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
+    assert speed.forward_cols == speed.block_cols == 256000
+
+
+@pytest.mark.parametrize("case", ["mean", "everything-none-lse", "zloss-softcap-bias"])
+def test_jax_memory_with_wider_forward_blocks_matches_reference(monkeypatch, case):
+    """Forward column blocks (24, one partial) wider than the backward pass's (8) give the
+    reference's loss, lse and gradients; the logits products of the forward pass are 24
+    columns wide, those of the backward pass 8."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+    import jax_impl.blocked
+
+    monkeypatch.setattr(jax_impl.blocked, "xla_memory_forward_cols", lambda *args, **kwargs: 24)
+    options, problem_kwargs, with_lse = CASES[case]
+    seed = seed_of(case, "float32", "DV")
+    p = make_problem(seed, weight_layout="DV", **problem_kwargs)
+    g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+    result = JaxAdapter("memory").run(p, options, g_out, g_lse)
+    check_against_reference(result, reference(p, options, g_out, g_lse), "float32", p.logit_scale)
+    x, W, y = (jnp.asarray(a) for a in (p.x, p.W, p.y))
+    loss = lambda x, W: jax_impl.linear_cross_entropy(x, W, y, weight_layout="DV", strategy="memory").sum()
+    widths = lambda f: {e.outvars[0].aval.shape[-1] for e in _equations(jax.make_jaxpr(f)(x, W).jaxpr)
+                        if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[0] != p.x.shape[-1]}
+    assert {24, 53 % 24} <= widths(loss) and 8 not in widths(loss)
+    assert {8, 24} <= widths(jax.grad(loss, argnums=(0, 1)))
+
+
 def _equations(jaxpr):
     """The equations of jaxpr and of its sub-jaxprs (loops, custom_vjp rules, pjit calls)."""
     for eqn in jaxpr.eqns:
