@@ -77,28 +77,30 @@ def _xla_block_budget(n_rows: int, hidden: int, vocab: int, itemsize: int) -> fl
 def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int,
                            gathered_rows: bool = False) -> tuple[int, int]:
     """JAX's (rows, cols) for "memory" in blocks of rows and columns (XLA_MEMORY_COLS
-    columns). Besides the logits block (and with gathered_rows the row block's x), XLA copies
-    each column block's slice of W and holds its grad_weight share (cols x D each), holds
-    the fp32 grad_input accumulator of a row block twice (the carry and the product), its
-    GEMM workspace and per-row temporaries: all within WHOLE_ROW_FRACTION of the gradients'
-    bytes. H100, G (10% ignored), fwd+bwd: 3456 x 7040 (`block_shape`'s) 78.1 ms at 1.23 x
-    the floor, 1152 x 4096 96.9 ms at 1.10 x, 1536 x 3072 90.0 ms at 1.09 x, 2048 x 2048
-    (this) 88.4 ms at 1.08 x."""
+    columns), the rows spread evenly over the fewest blocks (`even_rows`). Besides the
+    logits block, XLA copies each column block's slice of W and holds its grad_weight share
+    (cols x D each), its GEMM workspace and per-row temporaries; per row of a block, with
+    gathered_rows (rows skipped, all blocks in one loop) the gathered x and one fp32
+    grad_input accumulator (the product adds into it: cuBLAS's beta 1); without, the loop's
+    last, smaller block is a call of its own whose accumulator and logits XLA does not share
+    with the loop's, so two accumulators a row are counted. All within WHOLE_ROW_FRACTION of
+    the gradients' bytes. H100, G (10% ignored), fwd+bwd: 3456 x 7040 (`block_shape`'s)
+    78.1 ms at 1.23 x the floor; with 2048 columns, 2048 rows 85.9 ms at 1.073 x, 2560 77.4
+    at 1.081 x, 2816 (this) 79.0-80.2 at 1.085 x, 3072 81.7 at 1.089 x (17.2 KiB more a
+    row); with return_lse (no rows skipped) 2816 rows took 1.114 x, 2048 (this) 1.073 x."""
     cols = min(vocab, XLA_MEMORY_COLS)
     budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - 2 * cols * hidden * itemsize
-    row_bytes = cols * itemsize + 2 * hidden * 4 + (hidden * itemsize if gathered_rows else 0)
-    rows = _round_down(int(max(budget, 0) // row_bytes), MIN_BLOCK)
-    return max(1, min(n_rows, rows)), cols
+    row_bytes = cols * itemsize + (hidden * (4 + itemsize) if gathered_rows else 2 * hidden * 4)
+    return even_rows(n_rows, int(max(budget, 0) // row_bytes)), cols
 
 
-def xla_memory_forward_cols(n_rows: int, hidden: int, vocab: int, itemsize: int, rows: int,
-                           gathered_rows: bool = False) -> int:
+def xla_memory_forward_cols(n_rows: int, hidden: int, vocab: int, itemsize: int, rows: int) -> int:
     """Columns per block of JAX "memory"'s forward pass in blocks of `rows` rows
     (`xla_memory_block_shape`'s). It only gathers statistics: without the backward pass's
-    grad_input accumulator and grad_weight share, its logits block and the copy of W's column
-    slice (and with gathered_rows the row block's x) take the same budget in wider blocks
-    (G: 7552 columns instead of 2048), a multiple of MIN_BLOCK."""
-    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - (rows * hidden * itemsize if gathered_rows else 0)
+    grad_input accumulator and grad_weight share, its logits block, the copy of W's column
+    slice and the row block's x take the same budget in wider blocks (G: 6016 columns
+    instead of 2048), a multiple of MIN_BLOCK."""
+    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - rows * hidden * itemsize
     cols = _round_down(int(max(budget, 0) // ((rows + hidden) * itemsize)), MIN_BLOCK)
     return min(vocab, max(cols, XLA_MEMORY_COLS))
 
@@ -166,14 +168,21 @@ def speed_extra_bytes(n_rows: int, hidden: int, vocab: int, itemsize: int) -> in
 def forward_only_rows(n_rows: int, hidden: int, vocab: int, itemsize: int) -> int:
     """Rows per block of "speed" for a call that takes no gradient: it holds no grad_weight
     accumulator, so its logits block may take those bytes too (all that "speed" holds beyond
-    the gradients, `speed_extra_bytes`); the rows are spread evenly over the fewest blocks, in
-    multiples of MIN_BLOCK. The products of fewer, larger blocks run faster (H100, bf16, the
-    logits of the rows not ignored, 10% ignored: G's 7373 rows in blocks of 1024 rows took
-    12.07 ms, of 4096 11.38 ms, in one product 11.25 ms; L's 14746 rows in blocks of 2048
-    20.23 ms, of 4096 20.14 ms, in one product 19.35 ms)."""
-    most = _round_down(speed_extra_bytes(n_rows, hidden, vocab, itemsize) // (vocab * itemsize), MIN_BLOCK)
-    blocks = -(-n_rows // most)
-    rows = -(-n_rows // max(1, blocks))
+    the gradients, `speed_extra_bytes`), the rows spread evenly over the fewest blocks
+    (`even_rows`). The products of fewer, larger blocks run faster (H100, bf16, the logits
+    of the rows not ignored, 10% ignored: G's 7373 rows in blocks of 1024 rows took 12.07
+    ms, of 4096 11.38 ms, in one product 11.25 ms; L's 14746 rows in blocks of 2048 20.23
+    ms, of 4096 20.14 ms, in one product 19.35 ms)."""
+    return even_rows(n_rows, speed_extra_bytes(n_rows, hidden, vocab, itemsize) // (vocab * itemsize))
+
+
+def even_rows(n_rows: int, most: int) -> int:
+    """Rows per block for n_rows rows in the fewest blocks of at most `most` rows (rounded
+    down to MIN_BLOCK, at least MIN_BLOCK), spread evenly: a multiple of MIN_BLOCK (or all
+    the rows)."""
+    most = _round_down(most, MIN_BLOCK)
+    blocks = max(1, -(-n_rows // most))
+    rows = -(-n_rows // blocks)
     return max(1, min(n_rows, most, -(-rows // MIN_BLOCK) * MIN_BLOCK))
 
 

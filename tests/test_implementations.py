@@ -199,7 +199,8 @@ def test_memory_takes_whole_rows_where_enough_fit(monkeypatch):
     assert blocking.whole_row_memory_scratch(8192, 8192, 2304, 256000, 2) is None
     assert blocking.whole_row_memory_block_rows(n_all, D, V, 2, gathered_rows=True) == 250  # JAX: fixed blocks
     assert blocking.whole_row_memory_block_rows(8192, 2304, 256000, 2, gathered_rows=True) is None
-    assert blocking.xla_memory_block_shape(8192, 2304, 256000, 2, gathered_rows=True) == (2048, 2048)  # JAX at G
+    assert blocking.xla_memory_block_shape(8192, 2304, 256000, 2, gathered_rows=True) == (2816, 2048)  # JAX at G
+    assert blocking.xla_memory_block_shape(8192, 2304, 256000, 2) == (2048, 2048)  # ... without rows skipped
     assert blocking.whole_row_memory_scratch(100, 100, 4096, V, 2) == 100 * V
     assert blocking.scratch_block_rows(100, 4096, V, 100 * V) == 100
 
@@ -295,7 +296,7 @@ def test_jax_row_loop_visits_each_row_once(n_rows, block_rows):
 
 def test_jax_memory_forward_pass_takes_wider_column_blocks(monkeypatch):
     """JAX "memory" in rows x columns: the forward pass (statistics only) holds neither the
-    grad_input accumulator nor a grad_weight share, so its column blocks are wider (G: 7552
+    grad_input accumulator nor a grad_weight share, so its column blocks are wider (G: 6016
     columns against the backward pass's 2048, default sizes)."""
     import jax.numpy as jnp
 
@@ -308,9 +309,10 @@ def test_jax_memory_forward_pass_takes_wider_column_blocks(monkeypatch):
         monkeypatch.setattr(blocking, name, value)
     opts = CrossEntropyOptions("mean", -100, 0.0, 0.0, None)
     cfg = plan(opts, "VD", "memory", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
-    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.forward_cols) == ("memory", 2048, 2048, 7552)
-    budget = blocking._xla_block_budget(8192, 2304, 256000, 2) - 2048 * 2304 * 2  # the gathered x rows
-    assert (2048 + 2304) * 2 * cfg.forward_cols <= budget < (2048 + 2304) * 2 * (cfg.forward_cols + 128)
+    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.forward_cols) == ("memory", 2816, 2048, 6016)
+    rows = cfg.block_rows
+    budget = blocking._xla_block_budget(8192, 2304, 256000, 2) - rows * 2304 * 2  # the gathered x rows
+    assert (rows + 2304) * 2 * cfg.forward_cols <= budget < (rows + 2304) * 2 * (cfg.forward_cols + 128)
     speed = plan(opts, "VD", "speed", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
     assert speed.forward_cols == speed.block_cols == 256000
 
@@ -415,6 +417,12 @@ def test_forward_only_speed_blocks_take_the_accumulators_bytes(monkeypatch):
         assert rows % blocking.MIN_BLOCK == 0 and rows * v * itemsize <= blocking.speed_extra_bytes(n, d, v, itemsize)
         assert -(-n // rows) == -(-n * v * itemsize // blocking.speed_extra_bytes(n, d, v, itemsize))
         assert rows > blocking.block_shape("speed", n, d, v, itemsize)[0]
+    for n, most in [(8192, 3156), (8192, 3000), (100, 3156), (5, 2), (0, 300)]:
+        rows = blocking.even_rows(n, most)  # the fewest blocks of at most `most` (rounded down to 128) rows, even
+        blocks = -(-n // rows) if n else 0
+        assert rows <= max(n, 1) and (rows % 128 == 0 or rows == n or n == 0)
+        assert blocks == (-(-n // max(128, most // 128 * 128)) if n else 0) and (not n or n - (blocks - 1) * rows > 0)
+    assert blocking.even_rows(8192, 3156) == 2816 and blocking.even_rows(8192, 3000) == 2816
     speed = plan_blocks("speed", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
     assert (speed.block_rows, speed.block_cols) == (3712, 256000)
     memory = plan_blocks("memory", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
