@@ -74,23 +74,19 @@ def _xla_block_budget(n_rows: int, hidden: int, vocab: int, itemsize: int) -> fl
     return WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize - XLA_GEMM_WORKSPACE - XLA_ROW_BYTES * n_rows
 
 
-def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int,
-                           gathered_rows: bool = False) -> tuple[int, int]:
+def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
     """JAX's (rows, cols) for "memory" in blocks of rows and columns (XLA_MEMORY_COLS
     columns), the rows spread evenly over the fewest blocks (`even_rows`). Besides the
     logits block, XLA copies each column block's slice of W and holds its grad_weight share
-    (cols x D each), its GEMM workspace and per-row temporaries; per row of a block, with
-    gathered_rows (rows skipped, all blocks in one loop) the gathered x and one fp32
-    grad_input accumulator (the product adds into it: cuBLAS's beta 1); without, the loop's
-    last, smaller block is a call of its own whose accumulator and logits XLA does not share
-    with the loop's, so two accumulators a row are counted. All within WHOLE_ROW_FRACTION of
-    the gradients' bytes. H100, G (10% ignored), fwd+bwd: 3456 x 7040 (`block_shape`'s)
-    78.1 ms at 1.23 x the floor; with 2048 columns, 2048 rows 85.9 ms at 1.073 x, 2560 77.4
-    at 1.081 x, 2816 (this) 79.0-80.2 at 1.085 x, 3072 81.7 at 1.089 x (17.2 KiB more a
-    row); with return_lse (no rows skipped) 2816 rows took 1.114 x, 2048 (this) 1.073 x."""
+    (cols x D each), its GEMM workspace and per-row temporaries; per row of a block, the
+    copy of its x (gathered or sliced) and one fp32 grad_input accumulator (the product
+    adds into it: cuBLAS's beta 1). All within WHOLE_ROW_FRACTION of the gradients' bytes.
+    H100, G (10% ignored), fwd+bwd: 3456 x 7040 (`block_shape`'s) 78.1 ms at 1.23 x the
+    floor; with 2048 columns, 2048 rows 85.9 ms at 1.073 x, 2560 77.4 at 1.081 x, 2816
+    (this) 79.0-80.2 at 1.085 x, 3072 81.7 at 1.089 x (17.2 KiB more a row)."""
     cols = min(vocab, XLA_MEMORY_COLS)
     budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - 2 * cols * hidden * itemsize
-    row_bytes = cols * itemsize + (hidden * (4 + itemsize) if gathered_rows else 2 * hidden * 4)
+    row_bytes = cols * itemsize + hidden * (4 + itemsize)
     return even_rows(n_rows, int(max(budget, 0) // row_bytes)), cols
 
 

@@ -79,7 +79,7 @@ def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumul
     if whole_rows:
         return BlockedConfig(options, weight_layout, "speed", whole_rows, vocab, vocab, True, return_lse, interpret, skip)
     if strategy == "memory":
-        rows, cols = xla_memory_block_shape(n_rows, hidden, vocab, itemsize, gathered_rows=skip)
+        rows, cols = xla_memory_block_shape(n_rows, hidden, vocab, itemsize)
         forward_cols = xla_memory_forward_cols(n_rows, hidden, vocab, itemsize, rows)
     else:
         rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip)
