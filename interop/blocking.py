@@ -16,6 +16,7 @@ MEMORY_FRACTION = 0.08  # "memory": logits block + grad_input accumulator, as a 
 WHOLE_ROW_FRACTION = 0.093  # "memory" in whole rows: logits scratch (+ row copies), as a share of the gradients' bytes
 MIN_WHOLE_ROWS = 384  # ... when its first block has at least this many rows (fewer lose to rows and columns)
 WHOLE_ROW_ALIGN = 32  # ... blocks a multiple of this many rows
+MIN_LAST_ROWS = 128  # JAX's fixed row blocks: the last one at least this many rows (`without_a_thin_last_block`)
 XLA_GEMM_WORKSPACE = 32 << 20  # bytes: the cuBLAS workspace that XLA's products keep among the temporaries
 XLA_ROW_BYTES = 512  # bytes a row of XLA's per-row temporaries in a JAX call (H100, L: ~8.4 MiB of 16384 rows)
 XLA_MEMORY_COLS = 2048  # JAX "memory" in rows x columns: vocabulary columns per block
@@ -134,14 +135,30 @@ def whole_row_memory_block_rows(n_rows: int, hidden: int, vocab: int, itemsize: 
                                 gathered_rows: bool = False) -> int | None:
     """JAX's rows per block of "memory" in whole rows, where PyTorch's takes them
     (`whole_row_memory_scratch`), else None. XLA owns grad_input's buffer, so the blocks
-    are fixed: their logits, with gathered_rows their x and grad_input rows, XLA's GEMM
-    workspace and its per-row temporaries stay within WHOLE_ROW_FRACTION of the gradients'
-    bytes (H100, L: 377 rows without those two measured 1.12 x the floor)."""
+    are fixed: their logits, 2 D 16-bit values a row (with gathered_rows their x and
+    grad_input rows; without, about what XLA's grad_input product split over the
+    vocabulary keeps of partial sums: H100, 8192 x 3584 x 151936 with return_lse, 224 rows
+    counting none took 1.101 x the floor), XLA's GEMM workspace and its per-row temporaries
+    stay within WHOLE_ROW_FRACTION of the gradients' bytes (H100, L: 377 rows counting
+    neither those rows nor the temporaries took 1.12 x)."""
     if whole_row_memory_scratch(n_rows, n_rows, hidden, vocab, itemsize, gathered_rows) is None:
         return None
     budget = _xla_block_budget(n_rows, hidden, vocab, itemsize)
-    rows = int(budget // ((vocab + (2 * hidden if gathered_rows else 0)) * itemsize))
-    return min(n_rows, rows) if rows >= 1 else None
+    rows = int(budget // ((vocab + 2 * hidden) * itemsize))
+    return without_a_thin_last_block(n_rows, min(n_rows, rows)) if rows >= 1 else None
+
+
+def without_a_thin_last_block(n_rows: int, rows: int) -> int:
+    """The most rows per block, at most `rows`, for which n_rows rows end in a block of at
+    least MIN_LAST_ROWS rows (or in a full one). A thin block's grad_input product dz W
+    (contracting over the vocabulary) is one that XLA splits over the vocabulary (split-K),
+    and it padded a copy of W for that: H100, N, D, V = 8192, 3584, 151936 in blocks of
+    227 whole rows, the last of 20 rows: 1.97 x the floor (224 rows, the last of 128: 1.10 x)."""
+    fewest = min(rows, MIN_LAST_ROWS)
+    for r in range(rows, fewest - 1, -1):
+        if n_rows % r == 0 or n_rows % r >= fewest:
+            return r
+    return rows
 
 
 def scratch_block_rows(rows_left: int, hidden: int, vocab: int, scratch: int) -> int:

@@ -29,7 +29,7 @@ from interop.blocking import (block_shape, skipping_pays, whole_row_memory_block
 from interop.options import CrossEntropyOptions
 from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl.matmul import contract
-from jax_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loop, row_loss
+from jax_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loop, row_loss, unfolded_count
 
 # Skipping ignored rows, "speed" computes the kept rows after its last full block in blocks
 # this many times smaller (H100, L: the 410 kept rows of the last 2048-row block in one block
@@ -136,13 +136,16 @@ class Head:
 
     def col_loop(self, body, carry):
         """carry = body(v0, cols, carry) over the column blocks: a loop over the full blocks
-        (v0 traced) and one call for the remainder (static)."""
+        (v0 traced) and a loop of one trip for the remainder (`rest` columns, static), which
+        so shares the first loop's buffers (`jax_impl.rows.unfolded_count`)."""
         cols = self.block_cols
         n_full, rest = divmod(self.vocab, cols)
         if n_full == 1 and not rest:
             return body(0, cols, carry)
         carry = jax.lax.fori_loop(0, n_full, lambda i, c: body(i * cols, cols, c), carry)
-        return body(n_full * cols, rest, carry) if rest else carry
+        if not rest:
+            return carry
+        return jax.lax.fori_loop(0, unfolded_count(1), lambda i, c: body(n_full * cols, rest, c), carry)
 
 
 def _wide(a):

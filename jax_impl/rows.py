@@ -118,8 +118,8 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     if keep is None:
         if n_full:  # (no rows: no loop)
             state = blocks(state, 0, n_full, block_rows)
-        return blocks(state, n_full * block_rows, _unknown_to_xla(1), rest) if rest else state
-    n_kept = _unknown_to_xla(keep.sum(dtype=jnp.int32))  # constant targets would make it known
+        return blocks(state, n_full * block_rows, unfolded_count(1), rest) if rest else state
+    n_kept = unfolded_count(keep.sum(dtype=jnp.int32))  # constant targets would make it known
     tail = block_rows // tail_split if block_rows % tail_split == 0 else block_rows
     n_big = jnp.minimum(n_kept // block_rows, n_full)
     state = blocks(state, 0, n_big, block_rows)
@@ -135,9 +135,9 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     return blocks(state, last, (n_kept > last).astype(jnp.int32), rest)
 
 
-def _unknown_to_xla(count):
-    """An int32 trip count that XLA cannot fold (optimization_barrier). A loop that XLA knows
-    runs once becomes a call of its own, whose temporaries it did not share with the other
-    loops' (H100, JAX "memory": L in whole rows 1.99 x the floor, in a loop 1.095 x; G in
-    blocks of 2816 rows 1.114 x, in a loop 1.085 x)."""
+def unfolded_count(count):
+    """An int32 loop trip count that XLA cannot fold (optimization_barrier). A loop that XLA
+    knows runs once becomes a call of its own, whose temporaries it did not share with the
+    other loops' (H100, JAX "memory": L in whole rows 1.99 x the floor, in a loop 1.095 x; G
+    in blocks of 2816 rows 1.114 x, in a loop 1.085 x)."""
     return jax.lax.optimization_barrier(jnp.asarray(count, jnp.int32))

@@ -204,6 +204,22 @@ def test_memory_takes_whole_rows_where_enough_fit(monkeypatch):
     assert blocking.scratch_block_rows(100, 4096, V, 100 * V) == 100
 
 
+@pytest.mark.parametrize("n_rows, rows", [(8192, 227), (1000, 300), (16384, 250), (900, 300), (100, 100), (300, 120)])
+def test_jax_whole_row_blocks_end_in_no_thin_block(n_rows, rows):
+    """interop.blocking.without_a_thin_last_block: the most rows per block, at most `rows`,
+    whose last block holds at least min(rows, MIN_LAST_ROWS) rows, or `rows` when none does."""
+    from interop.blocking import MIN_LAST_ROWS, without_a_thin_last_block
+
+    r = without_a_thin_last_block(n_rows, rows)
+    fewest = min(rows, MIN_LAST_ROWS)
+    ends_well = lambda k: n_rows % k == 0 or n_rows % k >= fewest
+    if not any(ends_well(k) for k in range(fewest, rows + 1)):
+        assert r == rows  # (300, 120: no block of 120 rows ends well)
+        return
+    assert r <= rows and ends_well(r)
+    assert not any(ends_well(k) for k in range(r + 1, rows + 1))
+
+
 def test_whole_row_blocks_write_no_logits_over_grad_input_rows_still_needed():
     """HeadBlocks with a grad_input scratch (and `active` rows): each block's logits start
     after every row of grad_input that it or an earlier block writes and fit in the buffer;
@@ -231,8 +247,9 @@ def test_whole_row_blocks_write_no_logits_over_grad_input_rows_still_needed():
 @pytest.fixture
 def whole_row_memory(monkeypatch):
     """"memory" in blocks of whole rows at these sizes: a scratch of 4.5 rows of 53 logits
-    (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input,
-    and in JAX, whose XLA workspace and per-row temporaries are left out here)."""
+    (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input;
+    in JAX, whose XLA workspace and per-row temporaries are left out here, 2: it counts 2 D
+    values a row beside the logits, 238 // (53 + 2 * 19))."""
     import interop.blocking as blocking
 
     monkeypatch.setattr(blocking, "MIN_WHOLE_ROWS", 1)
@@ -244,7 +261,7 @@ def whole_row_memory(monkeypatch):
 
 def test_memory_plans_in_whole_rows(whole_row_memory):
     """Both frameworks' "memory" plans where whole rows fit: "speed" blocks with grad_weight in
-    the input dtype; PyTorch's with the scratch after grad_input, JAX's in the scratch's rows."""
+    the input dtype; PyTorch's with the scratch after grad_input, JAX's within the scratch."""
     import jax.numpy as jnp
     import torch
 
@@ -254,7 +271,7 @@ def test_memory_plans_in_whole_rows(whole_row_memory):
 
     assert plan_blocks("memory", 13, 19, 53, torch.float32, False) == BlockPlan("speed", 4, 53, torch.float32, None, 238)
     cfg = plan(CrossEntropyOptions(), "VD", "memory", 13, 19, 53, jnp.bfloat16, False, False, "cpu")
-    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.accumulate_in_input_dtype) == ("speed", 4, 53, True)
+    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.accumulate_in_input_dtype) == ("speed", 2, 53, True)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
