@@ -136,8 +136,8 @@ class Head:
 
     def col_loop(self, body, carry):
         """carry = body(v0, cols, carry) over the column blocks: a loop over the full blocks
-        (v0 traced) and a loop of one trip for the remainder (`rest` columns, static), which
-        so shares the first loop's buffers (`jax_impl.rows.unfolded_count`)."""
+        (v0 traced) and a loop of one trip for the remainder (`rest` columns, static), so
+        that it shares the first loop's buffers (`jax_impl.rows.unfolded_count`)."""
         cols = self.block_cols
         n_full, rest = divmod(self.vocab, cols)
         if n_full == 1 and not rest:
