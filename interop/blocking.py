@@ -150,10 +150,10 @@ def whole_row_memory_block_rows(n_rows: int, hidden: int, vocab: int, itemsize: 
 
 def without_a_thin_last_block(n_rows: int, rows: int) -> int:
     """The most rows per block, at most `rows`, for which n_rows rows end in a full block or
-    in one of at least min(rows, MIN_LAST_ROWS) rows; `rows` if none does. A thin block's grad_input product dz W
-    (contracting over the vocabulary) is one that XLA splits over the vocabulary (split-K),
-    and it padded a copy of W for that: H100, N, D, V = 8192, 3584, 151936 in blocks of
-    227 whole rows, the last of 20 rows: 1.97 x the floor (224 rows, the last of 128: 1.10 x)."""
+    in one of at least min(rows, MIN_LAST_ROWS) rows; `rows` if none does. XLA splits a thin
+    block's grad_input product dz W over the vocabulary it contracts (split-K) and padded a
+    copy of W for that: H100, N, D, V = 8192, 3584, 151936 in blocks of 227 whole rows, the
+    last of 20 rows: 1.97 x the floor (224 rows, the last of 128: 1.10 x)."""
     fewest = min(rows, MIN_LAST_ROWS)
     for r in range(rows, fewest - 1, -1):
         if n_rows % r == 0 or n_rows % r >= fewest:

@@ -260,3 +260,28 @@ def test_jax_memory_strategy_within_its_bound(shape, return_lse):
     needed = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
     floor = (n + v) * d * 2
     assert needed <= 1.10 * floor + 16 * n, f"{needed / floor:.3f} x the floor"
+
+
+def test_jax_column_remainder_shares_the_loops_buffers():
+    """JAX "memory" in blocks of 2816 rows x 2048 columns at G's N and D: a vocabulary that
+    ends in a block of 1024 columns (254976 classes) needs no more of XLA's memory
+    (temporaries + outputs) than one of 125 full blocks (256000 classes): the last column
+    block runs in a loop of its own and shares the first loop's buffers (as a call of its
+    own it held its own logits block, W slice and grad_weight share)."""
+    import jax
+    import jax.numpy as jnp
+
+    from interop.options import CrossEntropyOptions
+    from jax_impl.blocked import BlockedConfig, blocked_linear_cross_entropy
+
+    n, d = 8192, 2304
+    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "memory", 2816, 2048, 2048, False,
+                        True, interpret=False, skip_ignored=False)
+
+    def needed(v):
+        loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
+        args = [jax.ShapeDtypeStruct(s, t) for s, t in (((n, d), jnp.bfloat16), ((v, d), jnp.bfloat16), ((n,), jnp.int32))]
+        analysis = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile().memory_analysis()
+        return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+
+    assert needed(254976) <= needed(256000)
