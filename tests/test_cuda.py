@@ -234,6 +234,16 @@ def test_jax_large_shape_against_fp64_and_xla(strategy):
     assert errs["ours"][1] <= bound * errs["xla"][1] and errs["ours"][2] <= bound * errs["xla"][2], errs
 
 
+def _jax_fwd_bwd_bytes(loss, *shapes) -> int:
+    """What XLA's compiled jit(value_and_grad(loss)) over its first two arguments needs beyond
+    its arguments (temporaries + outputs), compiled for arguments of these (shape, dtype)."""
+    import jax
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    analysis = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile().memory_analysis()
+    return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+
+
 @pytest.mark.parametrize("return_lse", [False, True], ids=["loss", "loss-and-lse"])
 @pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936)],
                          ids=["L", "G", "Qwen2-7B"])
@@ -243,7 +253,6 @@ def test_jax_memory_strategy_within_its_bound(shape, return_lse):
     1.10 x the gradients' bytes + 16 bytes a row, also when lse is returned (no rows
     skipped: the row loop ends in a smaller block, which once needed 1.99 x at L, and at
     Qwen2's shape 1.97 x when that block was thin)."""
-    import jax
     import jax.numpy as jnp
 
     import jax_impl
@@ -255,9 +264,7 @@ def test_jax_memory_strategy_within_its_bound(shape, return_lse):
         out = jax_impl.linear_cross_entropy(x, W, y, strategy="memory", return_lse=return_lse)
         return (out[0] + 0 * out[1].sum()) if return_lse else out
 
-    args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((v, d), jnp.bfloat16)]
-    analysis = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile().memory_analysis()
-    needed = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+    needed = _jax_fwd_bwd_bytes(loss, ((n, d), jnp.bfloat16), ((v, d), jnp.bfloat16))
     floor = (n + v) * d * 2
     assert needed <= 1.10 * floor + 16 * n, f"{needed / floor:.3f} x the floor"
 
@@ -268,7 +275,6 @@ def test_jax_column_remainder_shares_the_loops_buffers():
     (temporaries + outputs) than one of 125 full blocks (256000 classes): the last column
     block runs in a loop of its own and shares the first loop's buffers (as a call of its
     own it held its own logits block, W slice and grad_weight share)."""
-    import jax
     import jax.numpy as jnp
 
     from interop.options import CrossEntropyOptions
@@ -278,10 +284,6 @@ def test_jax_column_remainder_shares_the_loops_buffers():
     cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "memory", 2816, 2048, 2048, False,
                         True, interpret=False, skip_ignored=False)
 
-    def needed(v):
-        loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
-        args = [jax.ShapeDtypeStruct(s, t) for s, t in (((n, d), jnp.bfloat16), ((v, d), jnp.bfloat16), ((n,), jnp.int32))]
-        analysis = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile().memory_analysis()
-        return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
-
+    loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
+    needed = lambda v: _jax_fwd_bwd_bytes(loss, ((n, d), jnp.bfloat16), ((v, d), jnp.bfloat16), ((n,), jnp.int32))
     assert needed(254976) <= needed(256000)
