@@ -91,17 +91,6 @@ def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) 
     return even_rows(n_rows, int(max(budget, 0) // row_bytes)), cols
 
 
-def xla_memory_forward_cols(n_rows: int, hidden: int, vocab: int, itemsize: int, rows: int) -> int:
-    """Columns per block of JAX "memory"'s forward pass in blocks of `rows` rows
-    (`xla_memory_block_shape`'s). It only gathers statistics: without the backward pass's
-    grad_input accumulator and grad_weight share, its logits block, the copy of W's column
-    slice and the row block's x take the same budget in wider blocks (G: 6016 columns
-    instead of 2048), a multiple of MIN_BLOCK."""
-    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - rows * hidden * itemsize
-    cols = _round_down(int(max(budget, 0) // ((rows + hidden) * itemsize)), MIN_BLOCK)
-    return min(vocab, max(cols, XLA_MEMORY_COLS))
-
-
 def whole_row_memory_scratch(n_all: int, n_rows: int, hidden: int, vocab: int, itemsize: int,
                              gathered_rows: bool = False) -> int | None:
     """Elements of the logits scratch beyond grad_input [n_all, D] with which PyTorch's

@@ -36,7 +36,8 @@ def kernels_can_run(platform: str) -> bool:
     return platform == "gpu" or os.environ.get("LOGITLESS_PALLAS_INTERPRET") == "1"
 
 
-def _tanh(u):
+def tanh(u):
+    """tanh from exp (fp32), for the kernels' softcap."""
     return 1.0 - 2.0 / (jnp.exp(2.0 * u) + 1.0)
 
 
@@ -45,7 +46,7 @@ def _capped(z_ref, b_ref, row, v0, start, block, mask, cap):
     if b_ref is not None:
         s = s + plt.load(b_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
     if cap is not None:
-        s = cap * _tanh(s / cap)
+        s = cap * tanh(s / cap)
     return s
 
 

@@ -319,8 +319,8 @@ def _jax_speed_temp_bytes(n: int, hidden: int, vocab: int, rows: int, return_lse
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import BlockedConfig, blocked_linear_cross_entropy
 
-    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "speed", rows, vocab, vocab, True,
-                        return_lse, interpret=True, skip_ignored=skip)
+    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "speed", rows, vocab, True, return_lse,
+                        interpret=True, skip_ignored=skip, fused_stats=False)
     args = [jax.ShapeDtypeStruct((n, hidden), jnp.bfloat16), jax.ShapeDtypeStruct((vocab, hidden), jnp.bfloat16)]
     if y is None:
         loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
@@ -355,10 +355,10 @@ def test_jax_constant_targets_need_no_more_memory():
     assert _jax_speed_temp_bytes(*args, y=y) <= _jax_speed_temp_bytes(*args) + 64 * 1000
 
 
-def test_jax_memory_forward_pass_takes_wider_column_blocks(monkeypatch):
-    """JAX "memory" in rows x columns: the forward pass (statistics only) holds neither the
-    grad_input accumulator nor a grad_weight share, so its column blocks are wider (G: 6016
-    columns against the backward pass's 2048, default sizes)."""
+def test_jax_memory_plan_and_fused_forward(monkeypatch):
+    """JAX "memory" at G in rows x columns: blocks of 2816 x 2048 (default sizes), and a
+    forward pass from `fused_stats` (no column blocks of its own); "speed" takes whole rows
+    and XLA's products in the forward pass too."""
     import jax.numpy as jnp
 
     import interop.blocking as blocking
@@ -370,26 +370,21 @@ def test_jax_memory_forward_pass_takes_wider_column_blocks(monkeypatch):
         monkeypatch.setattr(blocking, name, value)
     opts = CrossEntropyOptions("mean", -100, 0.0, 0.0, None)
     cfg = plan(opts, "VD", "memory", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
-    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.forward_cols) == ("memory", 2816, 2048, 6016)
-    rows = cfg.block_rows
-    budget = blocking._xla_block_budget(8192, 2304, 256000, 2) - rows * 2304 * 2  # the gathered x rows
-    assert (rows + 2304) * 2 * cfg.forward_cols <= budget < (rows + 2304) * 2 * (cfg.forward_cols + 128)
+    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.fused_stats) == ("memory", 2816, 2048, True)
     speed = plan(opts, "VD", "speed", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
-    assert speed.forward_cols == speed.block_cols == 256000
+    assert (speed.block_cols, speed.fused_stats) == (256000, False)
 
 
 @pytest.mark.parametrize("case", ["mean", "everything-none-lse", "zloss-softcap-bias"])
-def test_jax_memory_with_wider_forward_blocks_matches_reference(monkeypatch, case):
-    """Forward column blocks (24, one partial) wider than the backward pass's (8) give the
-    reference's loss, lse and gradients; the logits products of the forward pass are 24
-    columns wide, those of the backward pass 8."""
+def test_jax_memory_forward_forms_no_logits_block(case):
+    """JAX "memory" (DV layout, rows x columns) gives the reference's loss, lse and
+    gradients; its forward pass has no matrix product of XLA's (the fused kernel forms the
+    logits tile by tile), its backward pass does."""
     import jax
     import jax.numpy as jnp
 
     import jax_impl
-    import jax_impl.blocked
 
-    monkeypatch.setattr(jax_impl.blocked, "xla_memory_forward_cols", lambda *args, **kwargs: 24)
     options, problem_kwargs, with_lse = CASES[case]
     seed = seed_of(case, "float32", "DV")
     p = make_problem(seed, weight_layout="DV", **problem_kwargs)
@@ -398,21 +393,69 @@ def test_jax_memory_with_wider_forward_blocks_matches_reference(monkeypatch, cas
     check_against_reference(result, reference(p, options, g_out, g_lse), "float32", p.logit_scale)
     x, W, y = (jnp.asarray(a) for a in (p.x, p.W, p.y))
     loss = lambda x, W: jax_impl.linear_cross_entropy(x, W, y, weight_layout="DV", strategy="memory").sum()
-    widths = lambda f: {e.outvars[0].aval.shape[-1] for e in _equations(jax.make_jaxpr(f)(x, W).jaxpr)
-                        if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[0] != p.x.shape[-1]}
-    assert {24, 53 % 24} <= widths(loss) and 8 not in widths(loss)
-    assert {8, 24} <= widths(jax.grad(loss, argnums=(0, 1)))
+    products = lambda f: [e for e in _equations(jax.make_jaxpr(f)(x, W).jaxpr, into_kernels=False)
+                          if e.primitive.name == "dot_general"]
+    assert not products(loss)
+    assert products(jax.grad(loss, argnums=(0, 1)))
 
 
-def _equations(jaxpr):
-    """The equations of jaxpr and of its sub-jaxprs (loops, custom_vjp rules, pjit calls)."""
+_STATS_CASES = {"plain": (False, False, None, False), "bias-softcap": (True, False, 20.0, False),
+                "smoothing-weights": (False, True, None, True), "everything": (True, True, 5.0, True)}
+
+
+@pytest.mark.parametrize("layout", ["VD", "DV"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("case", list(_STATS_CASES))
+def test_fused_row_stats_match_float64(monkeypatch, case, dtype, layout):
+    """`fused_stats.row_stats` against float64 on the same (rounded) inputs: 300 rows (3 row
+    tiles, the first 257 computed), D = 100 (a partial step of the product), V = 1100 in 2
+    vocabulary splits of 3 and 2 tiles, the last partial. It works in fp32 from exact
+    inputs: each logit is within 4 D eps32 sum_k |x_k w_k| (+ 8 eps32 cap through the
+    softcap) of float64's, and its sums over V add V eps32 of their terms' magnitude."""
+    import jax.numpy as jnp
+
+    import jax_impl.fused_stats as fused
+
+    monkeypatch.setattr(fused, "PROGRAMS", 4)
+    has_bias, has_cw, cap, need_ws = _STATS_CASES[case]
+    rng = np.random.default_rng(seed_of("fused", case, dtype, layout))
+    N, D, V, n = 300, 100, 1100, 257
+    x = jnp.asarray(rng.standard_normal((N, D)), dtype)
+    W = jnp.asarray(rng.standard_normal((V, D)) * 3 / D ** 0.5, dtype)
+    b = jnp.asarray(rng.standard_normal(V), dtype) if has_bias else None
+    cw = jnp.asarray(rng.random(V), jnp.float32) if has_cw else None
+    y = rng.integers(0, V, N).astype(np.int32)
+    stats = fused.row_stats(x, W if layout == "VD" else W.T, b, cw, jnp.asarray(y), n, layout, cap, need_ws, True)
+
+    x64, W64 = np.asarray(x, np.float64), np.asarray(W, np.float64)
+    z = x64 @ W64.T + (0 if b is None else np.asarray(b, np.float64))
+    eps = np.finfo(np.float32).eps
+    z_tol = 4 * D * eps * (np.abs(x64) @ np.abs(W64).T + 1)
+    if cap is not None:
+        z, z_tol = cap * np.tanh(z / cap), z_tol + 8 * eps * cap
+    cw64 = np.ones(V) if cw is None else np.asarray(cw, np.float64)
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    want = (lse, z[np.arange(N), y], (z * cw64).sum(1) if need_ws else np.zeros(N))
+    tols = (z_tol.max(1) + V * eps, z_tol[np.arange(N), y], ((z_tol + V * eps * np.abs(z)) * cw64).sum(1))
+    for name, got, ref, tol in zip(("lse", "s_y", "ws"), stats, want, tols):
+        got = np.asarray(got, np.float64)
+        assert np.all(got[n:] == 0), name
+        err = np.abs(got[:n] - ref[:n])
+        assert np.all(err <= tol[:n]), f"{name}: max error {err.max():.3g}, tolerance {tol[:n].min():.3g}"
+
+
+def _equations(jaxpr, into_kernels: bool = True):
+    """The equations of jaxpr and of its sub-jaxprs (loops, custom_vjp rules, pjit calls;
+    Pallas kernels' bodies unless into_kernels is False)."""
     for eqn in jaxpr.eqns:
         yield eqn
+        if eqn.primitive.name == "pallas_call" and not into_kernels:
+            continue
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
+                    yield from _equations(inner, into_kernels)
 
 
 def _column_sums(jaxpr, n_rows: int) -> int:
