@@ -31,7 +31,8 @@ from interop.options import CrossEntropyOptions
 from jax_impl.fused_stats import row_stats
 from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl.matmul import contract
-from jax_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loop, row_loss, unfolded_count
+from jax_impl.rows import (TargetRows, kept_first, reduce_loss, row_coefficients, row_loop, row_loss,
+                           unfolded_count)
 
 # Skipping ignored rows, "speed" computes the kept rows after its last full block in blocks
 # this many times smaller (H100, L: the 410 kept rows of the last 2048-row block in one block
@@ -81,7 +82,8 @@ def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumul
     fused = strategy == "memory"
     whole_rows = whole_row_memory_block_rows(n_rows, hidden, vocab, itemsize, skip) if fused else None
     if whole_rows:
-        return BlockedConfig(options, weight_layout, "speed", whole_rows, vocab, True, return_lse, interpret, skip, fused)
+        return BlockedConfig(options, weight_layout, "speed", whole_rows, vocab, True, return_lse, interpret, skip,
+                             fused)
     if strategy == "memory":
         rows, cols = xla_memory_block_shape(n_rows, hidden, vocab, itemsize)
     else:
@@ -198,7 +200,7 @@ def _fused_row_stats(prob: _Problem, x_ND):
                               softcap=opts.softcap, need_ws=opts.label_smoothing > 0, interpret=prob.cfg.interpret)
     if prob.keep is None:
         return stats(x_ND, y_N=prob.rows.safe_y, n_rows=x_ND.shape[0])
-    order = jnp.argsort(~prob.keep, stable=True).astype(jnp.int32)
+    order = kept_first(prob.keep)
     kept = stats(x_ND[order], y_N=prob.rows.safe_y[order], n_rows=prob.keep.sum(dtype=jnp.int32))
     return tuple(jnp.zeros_like(a).at[order].set(a, unique_indices=True) for a in kept)
 

@@ -55,14 +55,13 @@ def _kernel(n_ref, x_ref, w_ref, *refs, N, V, D, bk, split, vd, cap, has_bias, h
             def step(k, acc):
                 ks = k * bk + jnp.arange(bk, dtype=jnp.int32)
                 k_mask = ks < D
-                x = plt.load(x_ref.at[pl.ds(i * BM, BM), pl.ds(k * bk, bk)], mask=row_mask[:, None] & k_mask[None, :],
-                             other=0.0)
+                x_mask = row_mask[:, None] & k_mask[None, :]
+                x = plt.load(x_ref.at[pl.ds(i * BM, BM), pl.ds(k * bk, bk)], mask=x_mask, other=0.0)
                 if vd:
-                    w = plt.load(w_ref.at[pl.ds(start, BN), pl.ds(k * bk, bk)], mask=col_mask[:, None] & k_mask[None, :],
-                                 other=0.0)
+                    w_tile, w_mask = w_ref.at[pl.ds(start, BN), pl.ds(k * bk, bk)], col_mask[:, None] & k_mask[None, :]
                 else:
-                    w = plt.load(w_ref.at[pl.ds(k * bk, bk), pl.ds(start, BN)], mask=k_mask[:, None] & col_mask[None, :],
-                                 other=0.0)
+                    w_tile, w_mask = w_ref.at[pl.ds(k * bk, bk), pl.ds(start, BN)], k_mask[:, None] & col_mask[None, :]
+                w = plt.load(w_tile, mask=w_mask, other=0.0)
                 dims = (((1,), (1 if vd else 0,)), ((), ()))
                 return acc + jax.lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32)
 
@@ -82,7 +81,8 @@ def _kernel(n_ref, x_ref, w_ref, *refs, N, V, D, bk, split, vd, cap, has_bias, h
             return m_new, l, sy, ws
 
         zeros = jnp.zeros((BM,), jnp.float32)
-        stats = jax.lax.fori_loop(jnp.int32(0), (end - c0 + BN - 1) // BN, tile, (jnp.full((BM,), ninf), zeros, zeros, zeros))
+        init = (jnp.full((BM,), ninf), zeros, zeros, zeros)
+        stats = jax.lax.fori_loop(jnp.int32(0), (end - c0 + BN - 1) // BN, tile, init)
         for ref, value in zip((m_ref, l_ref, sy_ref, ws_ref), stats):
             plt.store(ref.at[s, pl.ds(i * BM, BM)], value, mask=row_mask)
 
