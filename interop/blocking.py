@@ -20,6 +20,9 @@ MIN_LAST_ROWS = 128  # JAX's fixed row blocks: the last one at least this many r
 XLA_GEMM_WORKSPACE = 32 << 20  # bytes: the cuBLAS workspace that XLA's products keep among the temporaries
 XLA_ROW_BYTES = 512  # bytes a row of XLA's per-row temporaries in a JAX call (H100, L: ~8.4 MiB of 16384 rows)
 XLA_MEMORY_COLS = 2048  # JAX "memory" in rows x columns: vocabulary columns per block
+MIN_KERNEL_ROWS = 32  # JAX "memory" in whole rows through its own products (`kernel_memory_block_rows`): at the least
+KERNEL_GRAD_INPUT_SPLITS = 4  # ... whose grad_input product [rows, D] is split over the vocabulary (fp32 partial
+KERNEL_GRAD_INPUT_MIN_TILES = 32  # sums) when it has fewer than this many output tiles of 64 x 256
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
 WEIGHT_GRAD_SLABS = 2  # a grad_weight accumulator wider than W: at most this many vocabulary slabs,
@@ -69,10 +72,19 @@ def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: i
     return rows, cols
 
 
-def _xla_block_budget(n_rows: int, hidden: int, vocab: int, itemsize: int) -> float:
+def _xla_block_budget(n_rows: int, hidden: int, vocab: int, itemsize: int, gemm_workspace: bool = True) -> float:
     """Bytes left to a JAX "memory" block within WHOLE_ROW_FRACTION of the gradients' bytes,
-    after XLA's GEMM workspace and per-row temporaries."""
-    return WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize - XLA_GEMM_WORKSPACE - XLA_ROW_BYTES * n_rows
+    after XLA's per-row temporaries and, when XLA's products run in the loop, their GEMM
+    workspace."""
+    workspace = XLA_GEMM_WORKSPACE if gemm_workspace else 0
+    return WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize - workspace - XLA_ROW_BYTES * n_rows
+
+
+def _xla_memory_rows(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
+    """(rows, cols): the most rows of XLA_MEMORY_COLS columns that fit (may be 0)."""
+    cols = min(vocab, XLA_MEMORY_COLS)
+    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - 2 * cols * hidden * itemsize
+    return int(max(budget, 0) // (cols * itemsize + hidden * (4 + itemsize))), cols
 
 
 def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
@@ -85,10 +97,32 @@ def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) 
     H100, G (10% ignored), fwd+bwd: 3456 x 7040 (`block_shape`'s) 78.1 ms at 1.23 x the
     floor; with 2048 columns, 2048 rows 85.9 ms at 1.073 x, 2560 77.4 at 1.081 x, 2816
     (this) 79.0-80.2 at 1.085 x, 3072 81.7 at 1.089 x (17.2 KiB more a row)."""
-    cols = min(vocab, XLA_MEMORY_COLS)
-    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - 2 * cols * hidden * itemsize
-    row_bytes = cols * itemsize + hidden * (4 + itemsize)
-    return even_rows(n_rows, int(max(budget, 0) // row_bytes)), cols
+    rows, cols = _xla_memory_rows(n_rows, hidden, vocab, itemsize)
+    return even_rows(n_rows, rows), cols
+
+
+def kernel_memory_block_rows(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int] | None:
+    """(rows per block, grad_input splits) of JAX "memory" in whole rows whose three products
+    are its own kernels (`jax_impl.row_products`: no GEMM workspace, no copy of W's slices),
+    for a small head, where fewer than min(n_rows, MIN_BLOCK) rows of XLA's blocks fit (the
+    workspace alone is more than a tenth of the gradients' bytes: S's half, GPT-2's 15%),
+    else None. Per row the logits and 2 D values (the row's x and grad_input), with XLA's
+    per-row temporaries within WHOLE_ROW_FRACTION of the gradients' bytes; None too if
+    fewer than min(n_rows, MIN_KERNEL_ROWS) fit. A grad_input product of fewer than
+    KERNEL_GRAD_INPUT_MIN_TILES output tiles is split KERNEL_GRAD_INPUT_SPLITS ways over the
+    vocabulary, its fp32 partial sums (4 D bytes a row and split) counted in the budget
+    (H100, bf16, fwd+bwd: S 70 rows unsplit 19.6 ms, 56 rows in 4 splits 14.2; Llama-2-7B's
+    head 328 rows unsplit 18.7 ms, 181 rows in 4 splits 26.3). These products are slower
+    than cuBLAS's (L's whole rows: 373 rows a block 123 ms against XLA's 250 rows 121 ms),
+    so larger heads keep XLA's."""
+    if _xla_memory_rows(n_rows, hidden, vocab, itemsize)[0] >= min(n_rows, MIN_BLOCK):
+        return None
+    budget = max(_xla_block_budget(n_rows, hidden, vocab, itemsize, gemm_workspace=False), 0)
+    rows, splits = int(budget // ((vocab + 2 * hidden) * itemsize)), 1
+    if -(-min(rows, n_rows) // 64) * -(-hidden // 256) < KERNEL_GRAD_INPUT_MIN_TILES:
+        splits = KERNEL_GRAD_INPUT_SPLITS
+        rows = int(budget // ((vocab + 2 * hidden) * itemsize + 4 * hidden * splits))
+    return (min(n_rows, rows), splits) if rows >= min(n_rows, MIN_KERNEL_ROWS) else None
 
 
 def whole_row_memory_scratch(n_all: int, n_rows: int, hidden: int, vocab: int, itemsize: int,

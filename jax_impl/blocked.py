@@ -11,7 +11,8 @@ blocks (interop.blocking) as `torch_impl.blocked`.
   which recomputes the logits (8 N D V flops); grad_input of a row block is accumulated
   in fp32 over its column blocks, grad_weight in the input dtype. Where enough whole rows
   fit (`plan`), "memory" runs as "speed" in those blocks with grad_weight in the input
-  dtype.
+  dtype; on a head too small for XLA's products within the memory-first bound (their GEMM
+  workspace), in blocks of whole rows multiplied by `jax_impl.row_products`' kernels.
 A large call without a returned lse (interop.blocking.skipping_pays) computes only the row
 blocks that hold rows whose target is not ignored, those rows first (`jax_impl.rows.row_loop`
 with `keep`): as PyTorch's kernels, the other rows get no logits and a zero grad_input.
@@ -26,10 +27,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import block_shape, skipping_pays, whole_row_memory_block_rows, xla_memory_block_shape
+from interop.blocking import (block_shape, kernel_memory_block_rows, skipping_pays, whole_row_memory_block_rows,
+                              xla_memory_block_shape)
 from interop.options import CrossEntropyOptions
 from jax_impl.fused_stats import row_stats
 from jax_impl.kernels import block_grad, block_stats, v0_array
+from jax_impl import row_products
 from jax_impl.matmul import contract
 from jax_impl.rows import (TargetRows, kept_first, reduce_loss, row_coefficients, row_loop, row_loss,
                            unfolded_count)
@@ -55,6 +58,8 @@ class BlockedConfig:
     interpret: bool  # Pallas interpret mode (the arrays are not on a GPU)
     skip_ignored: bool  # compute only the row blocks holding rows whose target is not ignored
     fused_stats: bool  # a forward pass without gradients takes its statistics from `fused_stats.row_stats`
+    kernel_products: bool = False  # blocks of whole rows multiplied by `row_products`' kernels, not XLA
+    grad_input_splits: int = 1  # ... the grad_input product's vocabulary splits
 
     @property
     def tail_split(self) -> int:
@@ -72,7 +77,9 @@ def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumul
     16-bit grad_weight where PyTorch's does (interop.blocking.whole_row_memory_block_rows:
     XLA owns grad_input's buffer, so the blocks do not grow into it as PyTorch's do), else
     in blocks of rows and columns sized for XLA's temporaries (interop.blocking.
-    xla_memory_block_shape). Either way a "memory" forward pass that forms no gradients
+    xla_memory_block_shape), unless fewer than MIN_BLOCK of those rows fit: then in whole
+    rows through `row_products`' kernels, which hold no GEMM workspace (interop.blocking.
+    kernel_memory_block_rows: S, GPT-2's and Llama-2-7B's heads). Either way a "memory" forward pass that forms no gradients
     takes its statistics from `fused_stats.row_stats`, which writes no logits (H100, bf16,
     10% of rows ignored, forward only: G 16.2 ms, L 26.1 ms, against 21.2 and 33.5 with
     XLA's products and `kernels.block_stats`)."""
@@ -84,6 +91,10 @@ def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumul
     if whole_rows:
         return BlockedConfig(options, weight_layout, "speed", whole_rows, vocab, True, return_lse, interpret, skip,
                              fused)
+    kernel_rows = kernel_memory_block_rows(n_rows, hidden, vocab, itemsize) if fused and itemsize <= 4 else None
+    if kernel_rows:
+        return BlockedConfig(options, weight_layout, "speed", kernel_rows[0], vocab, True, return_lse, interpret, skip,
+                             fused, kernel_products=True, grad_input_splits=kernel_rows[1])
     if strategy == "memory":
         rows, cols = xla_memory_block_shape(n_rows, hidden, vocab, itemsize)
     else:
@@ -108,6 +119,8 @@ class Head:
         """W's vocabulary columns v0..v0+cols ([cols, D] for "VD", [D, cols] for "DV")."""
         axis = 0 if self.vd else 1
         if isinstance(v0, int):
+            if (v0, cols) == (0, self.W.shape[axis]):
+                return self.W
             return jax.lax.slice_in_dim(self.W, v0, v0 + cols, axis=axis)
         return jax.lax.dynamic_slice_in_dim(self.W, v0, cols, axis=axis)
 
@@ -127,12 +140,18 @@ class Head:
         x_RD = x_RD.astype(dz.dtype)
         return contract(dz, x_RD, 0, 0, out_dtype) if self.vd else contract(x_RD, dz, 0, 0, out_dtype)
 
+    def add_weight_share(self, dW, dz, x_R, v0, cols: int):
+        """dW with dz^T x [cols, D] (x^T dz for "DV") added to its columns v0..v0+cols."""
+        if cols == self.vocab:
+            return dW + self.grad_weight_share(dz, x_R, dW.dtype)
+        axis = 0 if self.vd else 1
+        dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
+        return jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R, dW.dtype), v0, axis=axis)
+
     def add_shares(self, dz, x_R, v0, cols: int, dW, db, dx_acc):
         """(dW, db, dx_acc) plus dz [R, cols]'s shares (columns v0..v0+cols; db may be None)."""
-        axis = 0 if self.vd else 1
         dx_acc = dx_acc + self.grad_input_share(dz, self.head_cols(v0, cols))
-        dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
-        dW = jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R, dW.dtype), v0, axis=axis)
+        dW = self.add_weight_share(dW, dz, x_R, v0, cols)
         if db is not None:
             db_c = jax.lax.dynamic_slice_in_dim(db, v0, cols) + dz.astype(db.dtype).sum(0)
             db = jax.lax.dynamic_update_slice_in_dim(db, db_c, v0, axis=0)
@@ -157,7 +176,8 @@ def _wide(a):
 
 
 class _Problem(Head):
-    """A cross-entropy call: the head in cfg's column blocks plus the options and target facts."""
+    """A cross-entropy call: the head in cfg's column blocks plus the options and target
+    facts; its products are `row_products`' kernels (whole rows) with cfg.kernel_products."""
 
     def __init__(self, x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
         super().__init__(x_ND, W, b_V, cfg.weight_layout, cfg.block_cols)
@@ -166,6 +186,22 @@ class _Problem(Head):
         self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
         self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, jnp.float32)
         self.keep = self.rows.valid if cfg.skip_ignored else None  # the rows row_loop must compute
+
+    def logits(self, x_RD, W_c):
+        if not self.cfg.kernel_products:
+            return super().logits(x_RD, W_c)
+        return row_products.logits(x_RD, W_c, self.vd, self.cfg.interpret)
+
+    def grad_input_share(self, dz, W_c, out_dtype=None):
+        if not self.cfg.kernel_products:
+            return super().grad_input_share(dz, W_c, out_dtype)
+        return row_products.grad_input(dz, W_c, self.vd, out_dtype or _wide(dz), self.cfg.grad_input_splits,
+                                       self.cfg.interpret)
+
+    def add_weight_share(self, dW, dz, x_R, v0, cols: int):
+        if not self.cfg.kernel_products:
+            return super().add_weight_share(dW, dz, x_R, v0, cols)
+        return row_products.add_grad_weight(dW, dz, x_R, self.vd, self.cfg.interpret)  # whole rows: v0 = 0
 
 
 def _bias_grad_buffer(prob: _Problem, b_V):
@@ -232,7 +268,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
         dz = block_grad(z, v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
         dx_R = prob.grad_input_share(dz, W, x_R.dtype)
-        dW = dW + prob.grad_weight_share(dz, x_R, dW.dtype)
+        dW = prob.add_weight_share(dW, dz, x_R, 0, prob.vocab)
         if db is not None:
             db = db + dz.astype(jnp.float32).sum(0)
         return (dW, db), (lse, s_y, ws, dx_R)

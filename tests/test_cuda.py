@@ -204,17 +204,40 @@ def test_jax_kernels_match_reference(strategy, case, dtype, blocks):
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_jax_kernel_whole_rows_match_reference(monkeypatch, case, dtype):
+    """JAX "memory" in whole rows through `row_products`' kernels (the plan of heads too
+    small for XLA's blocks, forced here with XLA's GEMM workspace counted as 1 TiB): 1000
+    rows in blocks of 26, against the float64 reference."""
+    import interop.blocking
+    from tests.frameworks import JaxAdapter
+
+    monkeypatch.setattr(interop.blocking, "XLA_GEMM_WORKSPACE", 1 << 40)
+    monkeypatch.setattr(interop.blocking, "MIN_KERNEL_ROWS", 1)
+    options, problem_kwargs, with_lse = CASES[case]
+    lead = (3, 333) if problem_kwargs.get("lead") else (1000,)
+    kwargs = {k: v for k, v in problem_kwargs.items() if k != "lead"}
+    seed = seed_of("jax-kernel-rows", case, dtype)
+    p = make_problem(seed, lead=lead, hidden=257, vocab=5003, dtype=dtype, **kwargs)
+    g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+    result = JaxAdapter("memory").run(p, options, g_out, g_lse)
+    check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
+
+
+@pytest.mark.parametrize("shape", [(16384, 4096, 128256), (4096, 1024, 32000)], ids=["L", "S"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_jax_large_shape_against_fp64_and_xla(strategy):
-    """L preset in bf16 through jax_impl, on the same buffers as the torch fp64 spec (DLPack);
-    gradient errors within the issue's bounds of naive XLA's in bf16."""
+def test_jax_large_shape_against_fp64_and_xla(strategy, shape):
+    """L and S presets in bf16 through jax_impl (S's "memory": whole rows through
+    `row_products`), on the same buffers as the torch fp64 spec (DLPack); gradient errors
+    within the issue's bounds of naive XLA's in bf16."""
     import jax
     import jax.numpy as jnp
 
     import jax_impl
     from interop.dlpack import to_jax, to_torch
 
-    x, W, y = _large_problem(16384, 4096, 128256, torch.bfloat16)
+    x, W, y = _large_problem(*shape, torch.bfloat16)
     ref_loss, ref_dx, ref_dW = _fp64_spec(x, W, y)
     xj, Wj, yj = to_jax(x), to_jax(W), to_jax(y.int())
 
@@ -245,14 +268,16 @@ def _jax_fwd_bwd_bytes(loss, *shapes) -> int:
 
 
 @pytest.mark.parametrize("return_lse", [False, True], ids=["loss", "loss-and-lse"])
-@pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936)],
-                         ids=["L", "G", "Qwen2-7B"])
+@pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936),
+                                   (4096, 1024, 32000), (4096, 768, 50257), (8192, 4096, 32000)],
+                         ids=["L", "G", "Qwen2-7B", "S", "GPT-2", "Llama-2-7B"])
 def test_jax_memory_strategy_within_its_bound(shape, return_lse):
     """JAX "memory" in bf16 with 10% of the targets ignored: what XLA's compiled fwd+bwd needs
     beyond its arguments (temporaries + outputs) stays within the issue's memory-first bound,
     1.10 x the gradients' bytes + 16 bytes a row, also when lse is returned (no rows
     skipped: the row loop ends in a smaller block, which once needed 1.99 x at L, and at
-    Qwen2's shape 1.97 x when that block was thin)."""
+    Qwen2's shape 1.97 x when that block was thin), and for heads too small for XLA's GEMM
+    workspace (S, GPT-2, Llama-2-7B: whole rows through `row_products`)."""
     import jax.numpy as jnp
 
     import jax_impl
