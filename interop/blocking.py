@@ -20,9 +20,6 @@ MIN_LAST_ROWS = 128  # JAX's fixed row blocks: the last one at least this many r
 XLA_GEMM_WORKSPACE = 32 << 20  # bytes: the cuBLAS workspace that XLA's products keep among the temporaries
 XLA_ROW_BYTES = 512  # bytes a row of XLA's per-row temporaries in a JAX call (H100, L: ~8.4 MiB of 16384 rows)
 XLA_MEMORY_COLS = 2048  # JAX "memory" in rows x columns: vocabulary columns per block
-MIN_KERNEL_ROWS = 32  # JAX "memory" in whole rows through its own products (`kernel_memory_block_rows`): at the least
-KERNEL_GRAD_INPUT_SPLITS = 4  # ... whose grad_input product [rows, D] is split over the vocabulary (fp32 partial
-KERNEL_GRAD_INPUT_MIN_TILES = 32  # sums) when it has fewer than this many output tiles of 64 x 256
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
 WEIGHT_GRAD_SLABS = 2  # a grad_weight accumulator wider than W: at most this many vocabulary slabs,
@@ -101,28 +98,24 @@ def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) 
     return even_rows(n_rows, rows), cols
 
 
-def kernel_memory_block_rows(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int] | None:
-    """(rows per block, grad_input splits) of JAX "memory" in whole rows whose three products
-    are its own kernels (`jax_impl.row_products`: no GEMM workspace, no copy of W's slices),
-    for a small head, where fewer than min(n_rows, MIN_BLOCK) rows of XLA's blocks fit (the
-    workspace alone is more than a tenth of the gradients' bytes: S's half, GPT-2's 15%),
-    else None. Per row the logits and 2 D values (the row's x and grad_input), with XLA's
-    per-row temporaries within WHOLE_ROW_FRACTION of the gradients' bytes; None too if
-    fewer than min(n_rows, MIN_KERNEL_ROWS) fit. A grad_input product of fewer than
-    KERNEL_GRAD_INPUT_MIN_TILES output tiles is split KERNEL_GRAD_INPUT_SPLITS ways over the
-    vocabulary, its fp32 partial sums (4 D bytes a row and split) counted in the budget
-    (H100, bf16, fwd+bwd: S 70 rows unsplit 19.6 ms, 56 rows in 4 splits 14.2; Llama-2-7B's
-    head 328 rows unsplit 18.7 ms, 181 rows in 4 splits 26.3). These products are slower
-    than cuBLAS's (L's whole rows: 373 rows a block 123 ms against XLA's 250 rows 121 ms),
-    so larger heads keep XLA's."""
+def kernel_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int] | None:
+    """JAX's (rows, cols) for "memory" in blocks of rows and columns whose three products are
+    its own kernels (`jax_impl.row_products`), for a small head, where fewer than
+    min(n_rows, MIN_BLOCK) rows of XLA's blocks fit (`xla_memory_block_shape`: its GEMM
+    workspace alone is more than a tenth of the gradients' bytes, S's half, GPT-2's 15%),
+    else None. The kernels hold no workspace and read W's and write grad_weight's column
+    slices in place: per row of a block its logits, its fp32 grad_input accumulator and the
+    copy of its x, with XLA's per-row temporaries within WHOLE_ROW_FRACTION of the
+    gradients' bytes, the rows spread evenly (`even_rows`); None too if fewer than
+    min(n_rows, MIN_BLOCK) rows fit. On larger heads XLA's products stay: they are faster
+    (H100, bf16, whole rows at L: 373 rows a block through these kernels 123 ms, XLA's 250
+    rows 121 ms)."""
     if _xla_memory_rows(n_rows, hidden, vocab, itemsize)[0] >= min(n_rows, MIN_BLOCK):
         return None
-    budget = max(_xla_block_budget(n_rows, hidden, vocab, itemsize, gemm_workspace=False), 0)
-    rows, splits = int(budget // ((vocab + 2 * hidden) * itemsize)), 1
-    if -(-min(rows, n_rows) // 64) * -(-hidden // 256) < KERNEL_GRAD_INPUT_MIN_TILES:
-        splits = KERNEL_GRAD_INPUT_SPLITS
-        rows = int(budget // ((vocab + 2 * hidden) * itemsize + 4 * hidden * splits))
-    return (min(n_rows, rows), splits) if rows >= min(n_rows, MIN_KERNEL_ROWS) else None
+    cols = min(vocab, XLA_MEMORY_COLS)
+    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize, gemm_workspace=False)
+    rows = int(max(budget, 0) // (cols * itemsize + hidden * (4 + itemsize)))
+    return (even_rows(n_rows, rows), cols) if rows >= min(n_rows, MIN_BLOCK) else None
 
 
 def whole_row_memory_scratch(n_all: int, n_rows: int, hidden: int, vocab: int, itemsize: int,

@@ -12,7 +12,8 @@ blocks (interop.blocking) as `torch_impl.blocked`.
   in fp32 over its column blocks, grad_weight in the input dtype. Where enough whole rows
   fit (`plan`), "memory" runs as "speed" in those blocks with grad_weight in the input
   dtype; on a head too small for XLA's products within the memory-first bound (their GEMM
-  workspace), in blocks of whole rows multiplied by `jax_impl.row_products`' kernels.
+  workspace), the blocks of rows and columns are multiplied by `jax_impl.row_products`'
+  kernels.
 A large call without a returned lse (interop.blocking.skipping_pays) computes only the row
 blocks that hold rows whose target is not ignored, those rows first (`jax_impl.rows.row_loop`
 with `keep`): as PyTorch's kernels, the other rows get no logits and a zero grad_input.
@@ -27,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import (block_shape, kernel_memory_block_rows, skipping_pays, whole_row_memory_block_rows,
+from interop.blocking import (block_shape, kernel_memory_block_shape, skipping_pays, whole_row_memory_block_rows,
                               xla_memory_block_shape)
 from interop.options import CrossEntropyOptions
 from jax_impl.fused_stats import row_stats
@@ -58,8 +59,7 @@ class BlockedConfig:
     interpret: bool  # Pallas interpret mode (the arrays are not on a GPU)
     skip_ignored: bool  # compute only the row blocks holding rows whose target is not ignored
     fused_stats: bool  # a forward pass without gradients takes its statistics from `fused_stats.row_stats`
-    kernel_products: bool = False  # blocks of whole rows multiplied by `row_products`' kernels, not XLA
-    grad_input_splits: int = 1  # ... the grad_input product's vocabulary splits
+    kernel_products: bool = False  # "memory" blocks multiplied by `row_products`' kernels, not XLA
 
     @property
     def tail_split(self) -> int:
@@ -77,9 +77,10 @@ def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumul
     16-bit grad_weight where PyTorch's does (interop.blocking.whole_row_memory_block_rows:
     XLA owns grad_input's buffer, so the blocks do not grow into it as PyTorch's do), else
     in blocks of rows and columns sized for XLA's temporaries (interop.blocking.
-    xla_memory_block_shape), unless fewer than MIN_BLOCK of those rows fit: then in whole
-    rows through `row_products`' kernels, which hold no GEMM workspace (interop.blocking.
-    kernel_memory_block_rows: S, GPT-2's and Llama-2-7B's heads). Either way a "memory" forward pass that forms no gradients
+    xla_memory_block_shape), unless fewer than MIN_BLOCK of those rows fit: then in such
+    blocks multiplied by `row_products`' kernels, which hold no GEMM workspace and no copy of
+    W's slices (interop.blocking.kernel_memory_block_shape: S, GPT-2's and Llama-2-7B's
+    heads). Either way a "memory" forward pass that forms no gradients
     takes its statistics from `fused_stats.row_stats`, which writes no logits (H100, bf16,
     10% of rows ignored, forward only: G 16.2 ms, L 26.1 ms, against 21.2 and 33.5 with
     XLA's products and `kernels.block_stats`)."""
@@ -91,10 +92,10 @@ def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumul
     if whole_rows:
         return BlockedConfig(options, weight_layout, "speed", whole_rows, vocab, True, return_lse, interpret, skip,
                              fused)
-    kernel_rows = kernel_memory_block_rows(n_rows, hidden, vocab, itemsize) if fused and itemsize <= 4 else None
-    if kernel_rows:
-        return BlockedConfig(options, weight_layout, "speed", kernel_rows[0], vocab, True, return_lse, interpret, skip,
-                             fused, kernel_products=True, grad_input_splits=kernel_rows[1])
+    kernel_shape = kernel_memory_block_shape(n_rows, hidden, vocab, itemsize) if fused and itemsize <= 4 else None
+    if kernel_shape:
+        return BlockedConfig(options, weight_layout, strategy, *kernel_shape, accumulate_in_input_dtype, return_lse,
+                             interpret, skip, fused, kernel_products=True)
     if strategy == "memory":
         rows, cols = xla_memory_block_shape(n_rows, hidden, vocab, itemsize)
     else:
@@ -119,8 +120,6 @@ class Head:
         """W's vocabulary columns v0..v0+cols ([cols, D] for "VD", [D, cols] for "DV")."""
         axis = 0 if self.vd else 1
         if isinstance(v0, int):
-            if (v0, cols) == (0, self.W.shape[axis]):
-                return self.W
             return jax.lax.slice_in_dim(self.W, v0, v0 + cols, axis=axis)
         return jax.lax.dynamic_slice_in_dim(self.W, v0, cols, axis=axis)
 
@@ -140,17 +139,25 @@ class Head:
         x_RD = x_RD.astype(dz.dtype)
         return contract(dz, x_RD, 0, 0, out_dtype) if self.vd else contract(x_RD, dz, 0, 0, out_dtype)
 
+    def col_logits(self, x_RD, v0, cols: int):
+        """The logits of W's columns v0..v0+cols: [R, cols] (`logits`)."""
+        return self.logits(x_RD, self.head_cols(v0, cols))
+
+    def add_grad_input_share(self, dx_acc, dz, v0, cols: int):
+        """dx_acc (fp32 [R, D]) plus dz [R, cols] times W's columns v0..v0+cols."""
+        return dx_acc + self.grad_input_share(dz, self.head_cols(v0, cols))
+
     def add_weight_share(self, dW, dz, x_R, v0, cols: int):
         """dW with dz^T x [cols, D] (x^T dz for "DV") added to its columns v0..v0+cols."""
-        if cols == self.vocab:
-            return dW + self.grad_weight_share(dz, x_R, dW.dtype)
         axis = 0 if self.vd else 1
+        if cols == dW.shape[axis]:
+            return dW + self.grad_weight_share(dz, x_R, dW.dtype)
         dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
         return jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R, dW.dtype), v0, axis=axis)
 
     def add_shares(self, dz, x_R, v0, cols: int, dW, db, dx_acc):
         """(dW, db, dx_acc) plus dz [R, cols]'s shares (columns v0..v0+cols; db may be None)."""
-        dx_acc = dx_acc + self.grad_input_share(dz, self.head_cols(v0, cols))
+        dx_acc = self.add_grad_input_share(dx_acc, dz, v0, cols)
         dW = self.add_weight_share(dW, dz, x_R, v0, cols)
         if db is not None:
             db_c = jax.lax.dynamic_slice_in_dim(db, v0, cols) + dz.astype(db.dtype).sum(0)
@@ -177,7 +184,7 @@ def _wide(a):
 
 class _Problem(Head):
     """A cross-entropy call: the head in cfg's column blocks plus the options and target
-    facts; its products are `row_products`' kernels (whole rows) with cfg.kernel_products."""
+    facts; its column blocks' products are `row_products`' kernels with cfg.kernel_products."""
 
     def __init__(self, x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
         super().__init__(x_ND, W, b_V, cfg.weight_layout, cfg.block_cols)
@@ -187,21 +194,20 @@ class _Problem(Head):
         self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, jnp.float32)
         self.keep = self.rows.valid if cfg.skip_ignored else None  # the rows row_loop must compute
 
-    def logits(self, x_RD, W_c):
+    def col_logits(self, x_RD, v0, cols: int):
         if not self.cfg.kernel_products:
-            return super().logits(x_RD, W_c)
-        return row_products.logits(x_RD, W_c, self.vd, self.cfg.interpret)
+            return super().col_logits(x_RD, v0, cols)
+        return row_products.logits(x_RD, self.W, v0, cols, self.vd, self.cfg.interpret)
 
-    def grad_input_share(self, dz, W_c, out_dtype=None):
+    def add_grad_input_share(self, dx_acc, dz, v0, cols: int):
         if not self.cfg.kernel_products:
-            return super().grad_input_share(dz, W_c, out_dtype)
-        return row_products.grad_input(dz, W_c, self.vd, out_dtype or _wide(dz), self.cfg.grad_input_splits,
-                                       self.cfg.interpret)
+            return super().add_grad_input_share(dx_acc, dz, v0, cols)
+        return row_products.add_grad_input(dx_acc, dz, self.W, v0, self.vd, self.cfg.interpret)
 
     def add_weight_share(self, dW, dz, x_R, v0, cols: int):
         if not self.cfg.kernel_products:
             return super().add_weight_share(dW, dz, x_R, v0, cols)
-        return row_products.add_grad_weight(dW, dz, x_R, self.vd, self.cfg.interpret)  # whole rows: v0 = 0
+        return row_products.add_grad_weight(dW, dz, x_R, v0, self.vd, self.cfg.interpret)
 
 
 def _bias_grad_buffer(prob: _Problem, b_V):
@@ -223,7 +229,7 @@ def _initial_stats(R: int):
 
 def _stats(prob: _Problem, x_RD, y_R):
     """(lse, s_y, ws) [R] of a row block, over all its column blocks."""
-    body = lambda v0, cols, stats: _stats_of_block(prob, prob.logits(x_RD, prob.head_cols(v0, cols)), v0, y_R, stats)
+    body = lambda v0, cols, stats: _stats_of_block(prob, prob.col_logits(x_RD, v0, cols), v0, y_R, stats)
     m, l, s_y, ws = prob.col_loop(body, _initial_stats(x_RD.shape[0]))
     return m + jnp.log(l), s_y, ws
 
@@ -298,8 +304,8 @@ def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig)
         x_R, y_R, lse_R, p_R, t_R, s_R = xs
 
         def body(v0, cols, c):
-            dz = block_grad(prob.logits(x_R, prob.head_cols(v0, cols)), v0_array(v0), prob.b, prob.cw, y_R, lse_R, p_R,
-                            t_R, s_R, opts.softcap, cfg.interpret)
+            dz = block_grad(prob.col_logits(x_R, v0, cols), v0_array(v0), prob.b, prob.cw, y_R, lse_R, p_R, t_R, s_R,
+                            opts.softcap, cfg.interpret)
             return prob.add_shares(dz, x_R, v0, cols, *c)
 
         dW, db = carry

@@ -206,19 +206,20 @@ def test_jax_kernels_match_reference(strategy, case, dtype, blocks):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_jax_kernel_whole_rows_match_reference(monkeypatch, case, dtype):
-    """JAX "memory" in whole rows through `row_products`' kernels (the plan of heads too
-    small for XLA's blocks, forced here with XLA's GEMM workspace counted as 1 TiB): 1000
-    rows in blocks of 26, against the float64 reference."""
-    import interop.blocking
+def test_jax_kernel_blocks_match_reference(monkeypatch, case, dtype):
+    """JAX "memory" in blocks of rows and columns through `row_products`' kernels (the plan
+    of heads too small for XLA's products, forced here with XLA's GEMM workspace counted as
+    1 TiB): 1000 x 257 x 5003 in blocks of 64 or 128 rows x 512 columns (the last 395),
+    against the float64 reference."""
     from tests.frameworks import JaxAdapter
 
-    monkeypatch.setattr(interop.blocking, "XLA_GEMM_WORKSPACE", 1 << 40)
-    monkeypatch.setattr(interop.blocking, "MIN_KERNEL_ROWS", 1)
+    for name, value in [("XLA_GEMM_WORKSPACE", 1 << 40), ("XLA_ROW_BYTES", 0), ("MIN_BLOCK", 64),
+                        ("XLA_MEMORY_COLS", 512)]:
+        monkeypatch.setattr(interop.blocking, name, value)
     options, problem_kwargs, with_lse = CASES[case]
     lead = (3, 333) if problem_kwargs.get("lead") else (1000,)
     kwargs = {k: v for k, v in problem_kwargs.items() if k != "lead"}
-    seed = seed_of("jax-kernel-rows", case, dtype)
+    seed = seed_of("jax-kernel-blocks", case, dtype)
     p = make_problem(seed, lead=lead, hidden=257, vocab=5003, dtype=dtype, **kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
     result = JaxAdapter("memory").run(p, options, g_out, g_lse)
@@ -228,8 +229,8 @@ def test_jax_kernel_whole_rows_match_reference(monkeypatch, case, dtype):
 @pytest.mark.parametrize("shape", [(16384, 4096, 128256), (4096, 1024, 32000)], ids=["L", "S"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_jax_large_shape_against_fp64_and_xla(strategy, shape):
-    """L and S presets in bf16 through jax_impl (S's "memory": whole rows through
-    `row_products`), on the same buffers as the torch fp64 spec (DLPack); gradient errors
+    """L and S presets in bf16 through jax_impl (S's "memory" through `row_products`' kernels),
+    on the same buffers as the torch fp64 spec (DLPack); gradient errors
     within the issue's bounds of naive XLA's in bf16."""
     import jax
     import jax.numpy as jnp
@@ -277,7 +278,7 @@ def test_jax_memory_strategy_within_its_bound(shape, return_lse):
     1.10 x the gradients' bytes + 16 bytes a row, also when lse is returned (no rows
     skipped: the row loop ends in a smaller block, which once needed 1.99 x at L, and at
     Qwen2's shape 1.97 x when that block was thin), and for heads too small for XLA's GEMM
-    workspace (S, GPT-2, Llama-2-7B: whole rows through `row_products`)."""
+    workspace (S, GPT-2, Llama-2-7B: blocks through `row_products`' kernels)."""
     import jax.numpy as jnp
 
     import jax_impl

@@ -295,28 +295,24 @@ def test_memory_in_whole_rows_matches_reference(whole_row_memory, adapter, case,
 @pytest.mark.parametrize("layout", ["VD", "DV"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_jax_memory_in_kernel_whole_rows_matches_reference(monkeypatch, case, dtype, layout):
-    """JAX "memory" for a head too small for XLA's blocks (its GEMM workspace counted as 1
-    TiB here): whole rows multiplied by `row_products`' kernels, 4 a block (13 rows: 4, 4, 4,
-    1), gradients in the forward pass, or recomputed in the backward pass with return_lse or
-    reduction="none"; the grad_input product in one vocabulary split for "VD", 3 for "DV".
-    Against the float64 reference."""
+def test_jax_memory_in_kernel_blocks_matches_reference(monkeypatch, case, dtype, layout):
+    """JAX "memory" for a head too small for XLA's products (their GEMM workspace counted as
+    1 TiB here): blocks of 4 rows (13: 4, 4, 4, 1) x 8 columns (53: 6 x 8, then 5) through
+    `row_products`' kernels, against the float64 reference."""
     import jax.numpy as jnp
 
     import interop.blocking as blocking
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import plan
 
-    splits, itemsize = (1 if layout == "VD" else 3), jnp.dtype(dtype).itemsize
-    row_bytes = (53 + 2 * 19) * itemsize + (4 * 19 * splits if splits > 1 else 0)
-    for name, value in [("MIN_KERNEL_ROWS", 1), ("KERNEL_GRAD_INPUT_SPLITS", splits),
-                        ("KERNEL_GRAD_INPUT_MIN_TILES", 2 if splits > 1 else 1), ("XLA_GEMM_WORKSPACE", 1 << 40),
-                        ("WHOLE_ROW_FRACTION", 4.5 * row_bytes / ((13 + 53) * 19 * itemsize))]:
-        monkeypatch.setattr(blocking, name, value)
+    itemsize = jnp.dtype(dtype).itemsize
+    row_bytes = 8 * itemsize + 19 * (4 + itemsize)  # logits, fp32 grad_input accumulator, x
+    monkeypatch.setattr(blocking, "XLA_GEMM_WORKSPACE", 1 << 40)
+    monkeypatch.setattr(blocking, "WHOLE_ROW_FRACTION", 4.5 * row_bytes / ((13 + 53) * 19 * itemsize))
     cfg = plan(CrossEntropyOptions(), layout, "memory", 13, 19, 53, jnp.dtype(dtype), False, False, "cpu")
-    assert (cfg.kernel_products, cfg.block_rows, cfg.block_cols, cfg.grad_input_splits) == (True, 4, 53, splits)
+    assert (cfg.strategy, cfg.kernel_products, cfg.block_rows, cfg.block_cols) == ("memory", True, 4, 8)
     options, problem_kwargs, with_lse = CASES[case]
-    seed = seed_of("kernel-whole-rows", case, dtype, layout)
+    seed = seed_of("kernel-blocks", case, dtype, layout)
     p = make_problem(seed, dtype=dtype, weight_layout=layout, **problem_kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
     result = JaxAdapter("memory").run(p, options, g_out, g_lse)
@@ -324,10 +320,11 @@ def test_jax_memory_in_kernel_whole_rows_matches_reference(monkeypatch, case, dt
 
 
 def test_jax_memory_plans_kernel_products_only_for_small_heads(default_sizes):
-    """interop.blocking.kernel_memory_block_rows at the default sizes: S, GPT-2's and
+    """interop.blocking.kernel_memory_block_shape at the default sizes: S, GPT-2's and
     Llama-2-7B's heads (XLA's GEMM workspace alone is over a tenth of their gradients'
-    bytes) take whole rows through `row_products`; L keeps XLA's whole rows, G XLA's rows x
-    columns; a head too small for even MIN_KERNEL_ROWS rows keeps XLA's smallest blocks."""
+    bytes) take blocks of rows and columns through `row_products`; L keeps XLA's whole rows,
+    G XLA's rows x columns; a head too small for even MIN_BLOCK rows keeps XLA's smallest
+    blocks."""
     import jax.numpy as jnp
 
     from interop.options import CrossEntropyOptions
@@ -335,51 +332,54 @@ def test_jax_memory_plans_kernel_products_only_for_small_heads(default_sizes):
 
     def planned(n, d, v):
         cfg = plan(CrossEntropyOptions(), "VD", "memory", n, d, v, jnp.bfloat16, False, False, "gpu")
-        return cfg.kernel_products, cfg.block_rows, cfg.block_cols, cfg.grad_input_splits
+        return cfg.strategy, cfg.kernel_products, cfg.block_rows, cfg.block_cols
 
-    assert planned(4096, 1024, 32000) == (True, 56, 32000, 4)  # S: 70 rows' grad_input has 8 tiles
-    assert planned(4096, 768, 50257) == (True, 48, 50257, 4)  # GPT-2
-    assert planned(8192, 4096, 32000) == (True, 328, 32000, 1)  # Llama-2-7B
-    assert planned(16384, 4096, 128256) == (False, 250, 128256, 1)  # L
-    assert planned(8192, 2304, 256000) == (False, 2816, 2048, 1)  # G
-    assert planned(1024, 128, 16000) == (False, 128, 2048, 1)
+    assert planned(4096, 1024, 32000) == ("memory", True, 384, 2048)  # S
+    assert planned(4096, 768, 50257) == ("memory", True, 640, 2048)  # GPT-2
+    assert planned(8192, 4096, 32000) == ("memory", True, 896, 2048)  # Llama-2-7B
+    assert planned(16384, 4096, 128256) == ("speed", False, 250, 128256)  # L: XLA's whole rows
+    assert planned(8192, 2304, 256000) == ("memory", False, 2816, 2048)  # G
+    assert planned(1024, 128, 16000) == ("memory", False, 128, 2048)
 
 
 @pytest.mark.parametrize("layout", ["VD", "DV"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_row_products_match_float64(dtype, layout):
-    """`row_products`' kernels against float64 on the same (rounded) inputs: R = 37 rows,
-    D = 100, V = 1100, so every product has partial tiles and a partial last step (grad_input
-    also in 3 vocabulary splits: 16-bit, 18 steps of 64 classes, 6 a split, the last partial). Each
-    output is fp32 products and sums (within 4 K eps32 sum_k |a_k b_k| of float64, K the
-    contracted length) rounded once to the output dtype (eps of that dtype)."""
+    """`row_products`' kernels against float64 on the same (rounded) inputs: R = 37 rows, D =
+    100, W's classes 300..813 of V = 1100 (C = 513), so every product has partial tiles and
+    a partial last step, and reads or writes W's and grad_weight's classes at an offset
+    (the other classes of grad_weight unchanged). Each output is fp32 products and sums
+    (within 4 K eps32 sum_k |a_k b_k| of float64, K the contracted length) rounded once to
+    the output dtype (eps of that dtype)."""
     import jax.numpy as jnp
 
     from jax_impl import row_products
 
     rng = np.random.default_rng(seed_of("row-products", dtype, layout))
-    R, D, V = 37, 100, 1100
+    R, D, V, v0, C = 37, 100, 1100, 300, 513
     x = jnp.asarray(rng.standard_normal((R, D)), dtype)
     W = jnp.asarray(rng.standard_normal((V, D)) * 3 / D ** 0.5, dtype)
-    dz = jnp.asarray(rng.standard_normal((R, V)) / V ** 0.5, dtype)
+    dz = jnp.asarray(rng.standard_normal((R, C)) / C ** 0.5, dtype)
     dW = jnp.asarray(rng.standard_normal((V, D)), dtype)
+    dx = jnp.asarray(rng.standard_normal((R, D)), jnp.float32)
     vd = layout == "VD"
     W_in, dW_in = (W, dW) if vd else (W.T, dW.T)
-    x64, W64, dz64, dW64 = (np.asarray(a, np.float64) for a in (x, W, dz, dW))
+    x64, W64, dz64, dW64, dx64 = (np.asarray(a, np.float64) for a in (x, W, dz, dW, dx))
+    W_c = W64[v0:v0 + C]
     eps32, eps = np.finfo(np.float32).eps, float(jnp.finfo(dtype).eps)
+    added = row_products.add_grad_weight(dW_in, dz, x, jnp.int32(v0), vd, True)
+    want_dW, tol_dW = dW64.copy(), np.zeros_like(dW64)
+    want_dW[v0:v0 + C] += dz64.T @ x64
+    tol_dW[v0:v0 + C] = 4 * R * eps32 * (np.abs(dW64[v0:v0 + C]) + np.abs(dz64).T @ np.abs(x64))
     checks = [
-        ("logits", row_products.logits(x, W_in, vd, True), x64 @ W64.T, 4 * D * eps32 * (np.abs(x64) @ np.abs(W64).T)),
-        ("grad_input", row_products.grad_input(dz, W_in, vd, jnp.dtype(dtype), 1, True), dz64 @ W64,
-         4 * V * eps32 * (np.abs(dz64) @ np.abs(W64))),
-        ("grad_input in 3 splits, fp32", row_products.grad_input(dz, W_in, vd, jnp.float32, 3, True), dz64 @ W64,
-         4 * V * eps32 * (np.abs(dz64) @ np.abs(W64))),
+        ("logits", row_products.logits(x, W_in, v0, C, vd, True), x64 @ W_c.T,
+         4 * D * eps32 * (np.abs(x64) @ np.abs(W_c).T), eps),
+        ("add_grad_input", row_products.add_grad_input(dx, dz, W_in, v0, vd, True), dx64 + dz64 @ W_c,
+         4 * C * eps32 * (np.abs(dx64) + np.abs(dz64) @ np.abs(W_c)), eps32),
+        ("add_grad_weight", added if vd else added.T, want_dW, tol_dW, eps),
     ]
-    added = row_products.add_grad_weight(dW_in, dz, x, vd, True)
-    checks.append(("add_grad_weight", added if vd else added.T, dW64 + dz64.T @ x64,
-                   4 * R * eps32 * (np.abs(dW64) + np.abs(dz64).T @ np.abs(x64))))
-    for name, got, want, tol in checks:
-        out_eps = eps32 if got.dtype == jnp.float32 else eps
-        assert got.dtype == (jnp.float32 if name.endswith("fp32") else jnp.dtype(dtype)), name
+    for name, got, want, tol, out_eps in checks:
+        assert got.shape == want.shape, name
         err = np.abs(np.asarray(got, np.float64) - want)
         bound = tol + out_eps * np.abs(want)
         assert np.all(err <= bound), f"{name}: max error over bound {(err / bound).max():.3g}"
