@@ -150,8 +150,6 @@ class Head:
     def add_weight_share(self, dW, dz, x_R, v0, cols: int):
         """dW with dz^T x [cols, D] (x^T dz for "DV") added to its columns v0..v0+cols."""
         axis = 0 if self.vd else 1
-        if cols == dW.shape[axis]:
-            return dW + self.grad_weight_share(dz, x_R, dW.dtype)
         dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
         return jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R, dW.dtype), v0, axis=axis)
 
@@ -274,7 +272,7 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
         dz = block_grad(z, v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
         dx_R = prob.grad_input_share(dz, W, x_R.dtype)
-        dW = prob.add_weight_share(dW, dz, x_R, 0, prob.vocab)
+        dW = dW + prob.grad_weight_share(dz, x_R, dW.dtype)
         if db is not None:
             db = db + dz.astype(jnp.float32).sum(0)
         return (dW, db), (lse, s_y, ws, dx_R)
