@@ -7,7 +7,10 @@ the accumulator is exactly fp32 and needs 2 W; a last pass would round hi + lo i
 products cannot update such planes, so dW += dz^T x must be a kernel that reads and writes
 them in place. Both versions below are exact (they match XLA's fp32 accumulation), and both
 are ~30% slower than cuBLAS at one "speed" block (H100: L 4.59-4.72 ms vs 3.49-3.54, G
-3.28-3.42 vs 2.50-2.58), ~8 ms at L over its 7-8 blocks: not taken.
+3.28-3.42 vs 2.50-2.58), ~8 ms at L over its 7-8 blocks: not taken. These are the measured
+kernels tidied afterwards (the bit juggling shared by `_join` / `_halves`, the Mosaic variant
+that loads the planes after the main loop, its fastest); the tidied Triton version was checked
+in interpret mode only.
 
 Run on a GPU from the repository root: PYTHONPATH=. python bench/results/session23_split_accumulator.py
 """
