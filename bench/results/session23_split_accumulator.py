@@ -10,7 +10,8 @@ are ~30% slower than cuBLAS at one "speed" block (H100: L 4.59-4.72 ms vs 3.49-3
 3.28-3.42 vs 2.50-2.58), ~8 ms at L over its 7-8 blocks: not taken. These are the measured
 kernels tidied afterwards (the bit juggling shared by `_join` / `_halves`, the Mosaic variant
 that loads the planes after the main loop, its fastest); the tidied Triton version was checked
-in interpret mode only.
+in interpret mode only, the tidied Mosaic version not re-run. The Triton kernel's K loop is
+`row_products._grad_weight_kernel`'s, with the split epilogue in place of its one rounding.
 
 Run on a GPU from the repository root: PYTHONPATH=. python bench/results/session23_split_accumulator.py
 """
