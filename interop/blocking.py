@@ -18,8 +18,11 @@ MIN_WHOLE_ROWS = 384  # ... when its first block has at least this many rows (fe
 WHOLE_ROW_ALIGN = 32  # ... blocks a multiple of this many rows
 MIN_LAST_ROWS = 128  # JAX's fixed row blocks: the last one at least this many rows (`without_a_thin_last_block`)
 XLA_GEMM_WORKSPACE = 32 << 20  # bytes: the cuBLAS workspace that XLA's products keep among the temporaries
-XLA_ROW_BYTES = 512  # bytes a row of XLA's per-row temporaries in a JAX call (H100, L: ~8.4 MiB of 16384 rows)
+XLA_ROW_BYTES = 512  # bytes a row of XLA's per-row temporaries in JAX whole rows or kernel blocks (H100, L: ~8.4 MiB)
 XLA_MEMORY_COLS = 2048  # JAX "memory" in rows x columns: vocabulary columns per block
+XLA_BLOCKS_FRACTION = 0.098  # ... all that XLA holds beyond the gradients for those blocks, as a share of
+# the gradients' bytes: `_xla_memory_rows` counts it to 0.2 MiB (H100), so 2 MiB of the 0.10 bound are left at G
+XLA_BLOCKS_ROW_BYTES = 16  # ... bytes a row of N of XLA's per-row temporaries there (H100, G: ~13)
 MIN_BLOCK = 128  # rows or columns of a block, at the least
 MIN_MEMORY_BLOCK = (1024, 4096)  # "memory": rows, columns at the least (smaller blocks waste the GPU)
 WEIGHT_GRAD_SLABS = 2  # a grad_weight accumulator wider than W: at most this many vocabulary slabs,
@@ -78,24 +81,30 @@ def _xla_block_budget(n_rows: int, hidden: int, vocab: int, itemsize: int, gemm_
 
 
 def _xla_memory_rows(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
-    """(rows, cols): the most rows of XLA_MEMORY_COLS columns that fit (may be 0)."""
+    """(rows, cols): the most rows of XLA_MEMORY_COLS columns (may be 0) for which what XLA
+    holds beyond the gradients stays within XLA_BLOCKS_FRACTION of their bytes: its GEMM
+    workspace, a copy of W's column slice and the block's grad_weight share (cols x D each),
+    XLA_BLOCKS_ROW_BYTES a row of N, and per row of a block its logits, the copy of its x
+    (gathered or sliced) and one fp32 grad_input accumulator (the product adds into it:
+    cuBLAS's beta 1). H100, V = 256000, D from 1536 to 3072, N from 4096 to 16384, blocks of
+    2816 to 3840 rows x 1536 or 2048 columns: XLA's memory within 0.2 MiB of this count (at
+    V = 128000, 50 MiB under it)."""
     cols = min(vocab, XLA_MEMORY_COLS)
-    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize) - 2 * cols * hidden * itemsize
+    budget = (XLA_BLOCKS_FRACTION * (n_rows + vocab) * hidden * itemsize - XLA_GEMM_WORKSPACE
+              - XLA_BLOCKS_ROW_BYTES * n_rows - 2 * cols * hidden * itemsize)
     return int(max(budget, 0) // (cols * itemsize + hidden * (4 + itemsize))), cols
 
 
 def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
-    """JAX's (rows, cols) for "memory" in blocks of rows and columns (XLA_MEMORY_COLS
-    columns), the rows spread evenly over the fewest blocks (`even_rows`). Besides the
-    logits block, XLA copies each column block's slice of W and holds its grad_weight share
-    (cols x D each), its GEMM workspace and per-row temporaries; per row of a block, the
-    copy of its x (gathered or sliced) and one fp32 grad_input accumulator (the product
-    adds into it: cuBLAS's beta 1). All within WHOLE_ROW_FRACTION of the gradients' bytes.
-    H100, G (10% ignored), fwd+bwd: 3456 x 7040 (`block_shape`'s) 78.1 ms at 1.23 x the
-    floor; with 2048 columns, 2048 rows 85.9 ms at 1.073 x, 2560 77.4 at 1.081 x, 2816
-    (this) 79.0-80.2 at 1.085 x, 3072 81.7 at 1.089 x (17.2 KiB more a row)."""
+    """JAX's (rows, cols) for "memory" in blocks of rows and columns: the most rows that fit
+    (`_xla_memory_rows`, rounded down to MIN_BLOCK, `without_a_thin_last_block`). Each row
+    block reads W twice and updates all of grad_weight, so the fewest blocks over the rows
+    to compute pay: H100, G (7395 of 8192 rows kept), fwd+bwd: 2816 rows (the rows spread
+    evenly over 3 blocks, the plan until session 25) 73.9-74.4 ms at 1.085 x the floor,
+    3712 rows (this: 2 blocks of kept rows) 67.2 at 1.098 x; 1024 or 1536 columns were
+    slower (4096 x 1024 84.3 ms, 3712 x 1536 71.6)."""
     rows, cols = _xla_memory_rows(n_rows, hidden, vocab, itemsize)
-    return even_rows(n_rows, rows), cols
+    return without_a_thin_last_block(n_rows, max(1, min(n_rows, _round_down(rows, MIN_BLOCK)))), cols
 
 
 def kernel_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int] | None:

@@ -226,12 +226,13 @@ def test_jax_kernel_blocks_match_reference(monkeypatch, case, dtype):
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
-@pytest.mark.parametrize("shape", [(16384, 4096, 128256), (4096, 1024, 32000)], ids=["L", "S"])
+@pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (4096, 1024, 32000)],
+                         ids=["L", "G", "S"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_jax_large_shape_against_fp64_and_xla(strategy, shape):
-    """L and S presets in bf16 through jax_impl (S's "memory" through `row_products`' kernels),
-    on the same buffers as the torch fp64 spec (DLPack); gradient errors
-    within the issue's bounds of naive XLA's in bf16."""
+    """L, G and S presets in bf16 through jax_impl ("memory": L in XLA's whole rows, G in XLA's
+    rows x columns, S through `row_products`' kernels), on the same buffers as the torch fp64
+    spec (DLPack); gradient errors within the issue's bounds of naive XLA's in bf16."""
     import jax
     import jax.numpy as jnp
 
