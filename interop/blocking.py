@@ -72,12 +72,29 @@ def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: i
     return rows, cols
 
 
-def _xla_block_budget(n_rows: int, hidden: int, vocab: int, itemsize: int, gemm_workspace: bool = True) -> float:
-    """Bytes left to a JAX "memory" block within WHOLE_ROW_FRACTION of the gradients' bytes,
-    after XLA's per-row temporaries and, when XLA's products run in the loop, their GEMM
-    workspace."""
+def _xla_block_budget(n_rows: int, hidden: int, vocab: int, itemsize: int, gemm_workspace: bool = True,
+                      xla_blocks: bool = False) -> float:
+    """Bytes left to a JAX "memory" block after XLA's per-row temporaries and, when XLA's
+    products run in the loop, their GEMM workspace: within WHOLE_ROW_FRACTION of the
+    gradients' bytes with XLA_ROW_BYTES a row of N (whole rows, the kernels' blocks), or with
+    xla_blocks (XLA's products in rows x columns blocks) within XLA_BLOCKS_FRACTION with
+    XLA_BLOCKS_ROW_BYTES a row."""
+    if xla_blocks:
+        fraction, row_bytes = XLA_BLOCKS_FRACTION, XLA_BLOCKS_ROW_BYTES
+    else:
+        fraction, row_bytes = WHOLE_ROW_FRACTION, XLA_ROW_BYTES
     workspace = XLA_GEMM_WORKSPACE if gemm_workspace else 0
-    return WHOLE_ROW_FRACTION * (n_rows + vocab) * hidden * itemsize - workspace - XLA_ROW_BYTES * n_rows
+    return fraction * (n_rows + vocab) * hidden * itemsize - workspace - row_bytes * n_rows
+
+
+def _most_rows(n_rows: int, rows: int) -> int:
+    """Rows per block of a rows x columns plan: `rows` rounded down to MIN_BLOCK (at least 1,
+    at most n_rows), then `without_a_thin_last_block`. Each row block reads W twice and
+    updates all of grad_weight, so the fewest blocks over the rows to compute pay: H100, G
+    (7395 of 8192 rows kept), fwd+bwd: 2816 rows (the rows spread evenly over 3 blocks, the
+    plan until session 25) 73.9-74.4 ms at 1.085 x the floor, 3712 rows (2 blocks of kept
+    rows) 67.2 at 1.098 x."""
+    return without_a_thin_last_block(n_rows, max(1, min(n_rows, _round_down(rows, MIN_BLOCK))))
 
 
 def _xla_memory_rows(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
@@ -90,21 +107,16 @@ def _xla_memory_rows(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tup
     2816 to 3840 rows x 1536 or 2048 columns: XLA's memory within 0.2 MiB of this count (at
     V = 128000, 50 MiB under it)."""
     cols = min(vocab, XLA_MEMORY_COLS)
-    budget = (XLA_BLOCKS_FRACTION * (n_rows + vocab) * hidden * itemsize - XLA_GEMM_WORKSPACE
-              - XLA_BLOCKS_ROW_BYTES * n_rows - 2 * cols * hidden * itemsize)
+    budget = _xla_block_budget(n_rows, hidden, vocab, itemsize, xla_blocks=True) - 2 * cols * hidden * itemsize
     return int(max(budget, 0) // (cols * itemsize + hidden * (4 + itemsize))), cols
 
 
 def xla_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
     """JAX's (rows, cols) for "memory" in blocks of rows and columns: the most rows that fit
-    (`_xla_memory_rows`, rounded down to MIN_BLOCK, `without_a_thin_last_block`). Each row
-    block reads W twice and updates all of grad_weight, so the fewest blocks over the rows
-    to compute pay: H100, G (7395 of 8192 rows kept), fwd+bwd: 2816 rows (the rows spread
-    evenly over 3 blocks, the plan until session 25) 73.9-74.4 ms at 1.085 x the floor,
-    3712 rows (this: 2 blocks of kept rows) 67.2 at 1.098 x; 1024 or 1536 columns were
-    slower (4096 x 1024 84.3 ms, 3712 x 1536 71.6)."""
+    (`_xla_memory_rows`, `_most_rows`; G: 3712 x 2048). Narrower columns were slower (H100,
+    G, fwd+bwd: 3712 x 1536 71.6 ms, 4096 x 1024 84.3, against 67.2 for 3712 x 2048)."""
     rows, cols = _xla_memory_rows(n_rows, hidden, vocab, itemsize)
-    return without_a_thin_last_block(n_rows, max(1, min(n_rows, _round_down(rows, MIN_BLOCK)))), cols
+    return _most_rows(n_rows, rows), cols
 
 
 def kernel_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int] | None:
@@ -115,7 +127,7 @@ def kernel_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: in
     else None. The kernels hold no workspace and read W's and write grad_weight's column
     slices in place: per row of a block its logits, its fp32 grad_input accumulator and the
     copy of its x, with XLA's per-row temporaries within WHOLE_ROW_FRACTION of the
-    gradients' bytes, the rows spread evenly (`even_rows`); None too if fewer than
+    gradients' bytes, as many rows as fit (`_most_rows`); None too if fewer than
     min(n_rows, MIN_BLOCK) rows fit. On larger heads XLA's products stay: they are faster
     (H100, bf16, whole rows at L: 373 rows a block through these kernels 123 ms, XLA's 250
     rows 121 ms)."""
@@ -124,7 +136,7 @@ def kernel_memory_block_shape(n_rows: int, hidden: int, vocab: int, itemsize: in
     cols = min(vocab, XLA_MEMORY_COLS)
     budget = _xla_block_budget(n_rows, hidden, vocab, itemsize, gemm_workspace=False)
     rows = int(max(budget, 0) // (cols * itemsize + hidden * (4 + itemsize)))
-    return (even_rows(n_rows, rows), cols) if rows >= min(n_rows, MIN_BLOCK) else None
+    return (_most_rows(n_rows, rows), cols) if rows >= min(n_rows, MIN_BLOCK) else None
 
 
 def whole_row_memory_scratch(n_all: int, n_rows: int, hidden: int, vocab: int, itemsize: int,

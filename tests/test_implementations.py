@@ -452,6 +452,26 @@ def test_jax_constant_targets_need_no_more_memory():
     assert _jax_speed_temp_bytes(*args, y=y) <= _jax_speed_temp_bytes(*args) + 64 * 1000
 
 
+def test_jax_rows_x_columns_blocks_take_the_most_rows_that_fit(default_sizes):
+    """interop.blocking.xla_memory_block_shape: as many rows as XLA's counted memory allows
+    (rounded down to MIN_BLOCK, then trimmed so the last block is not thin), not the rows
+    spread evenly: G's 7395 rows not ignored (10% of 8192) take 2 row blocks, where 2816
+    rows (even over 3 blocks) took 3; an empty call still gets a block of 1 row."""
+    import math
+
+    import interop.blocking as blocking
+
+    for n, d in [(8192, 2304), (16384, 2304), (4096, 2304), (7500, 2304), (8192, 1536), (8192, 3072)]:
+        fit, cols = blocking._xla_memory_rows(n, d, 256000, 2)
+        rows, block_cols = blocking.xla_memory_block_shape(n, d, 256000, 2)
+        assert block_cols == cols == 2048
+        assert rows <= min(n, fit) and rows >= min(n, fit // 128 * 128) - blocking.MIN_LAST_ROWS, (n, d, fit, rows)
+        assert n % rows == 0 or n % rows >= blocking.MIN_LAST_ROWS, (n, d, rows)
+    rows = blocking.xla_memory_block_shape(8192, 2304, 256000, 2)[0]
+    assert math.ceil(7395 / rows) == 2 < math.ceil(7395 / blocking.even_rows(8192, rows))
+    assert blocking.xla_memory_block_shape(0, 2304, 256000, 2)[0] == 1
+
+
 def test_jax_memory_plan_and_fused_forward(default_sizes):
     """JAX "memory" at G in rows x columns: blocks of 3712 x 2048 (default sizes), and a
     forward pass from `fused_stats` (no column blocks of its own); "speed" takes whole rows
