@@ -65,7 +65,8 @@ def block_shape(strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: i
         return max(1, min(n_rows, rows)), vocab
     budget = MEMORY_FRACTION * (n_rows + vocab) * hidden * itemsize
     min_rows, min_cols = (max(MIN_BLOCK, m) for m in MIN_MEMORY_BLOCK)
-    row_bytes = hidden * (4 + (itemsize if gathered_rows else 0))  # the fp32 grad_input accumulator (+ the copy)
+    # the fp32 grad_input accumulator (+ the copy); at D = 0 a row costs nothing: the least rows
+    row_bytes = max(hidden, 1) * (4 + (itemsize if gathered_rows else 0))
     rows = max(min_rows, _round_down(int(budget / 2 / row_bytes), MIN_BLOCK))
     rows = max(1, min(n_rows, rows))
     cols = min(vocab, max(min_cols, _round_down(int(budget / 2 / (rows * itemsize * buffers)), MIN_BLOCK)))

@@ -24,6 +24,7 @@ from interop.distillation import DenseDistillationOptions, TopKDistillationOptio
 from interop.options import default_chunk_rows
 from torch_impl.blocked import BlockPlan, HeadBlocks, _final
 from torch_impl.distill_ops import KernelOps, TorchOps
+from torch_impl.function import first_order_only
 from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
 from torch_impl.rows import compute_dtype
 
@@ -54,6 +55,8 @@ def _running(R: int, dtype, device):
     return (torch.full((R,), -math.inf, dtype=dtype, device=device), torch.zeros(R, dtype=dtype, device=device),
             torch.zeros(R, dtype=dtype, device=device))
 
+
+SECOND_ORDER_MESSAGE = "logitless: the distillation losses give first-order gradients only (no double backward or Hessians)"
 
 # ----------------------------------------------------------------------------- top-K teacher
 
@@ -158,19 +161,22 @@ class TopKDistillation(torch.autograd.Function):
         in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
         loss, saved, grads = topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items,
                                           need if in_forward else (False, False, False), active)
-        ctx.in_forward, ctx.grads = in_forward, grads if in_forward else None
+        ctx.grads = grads if in_forward else None
         ctx.args = (teacher, y_N, valid_N, o, layout, plan, ops, num_items, active)
-        if not in_forward:
-            ctx.save_for_backward(x_ND, W, b_V, *saved)
+        ctx.save_for_backward(x_ND, W, b_V, *saved)
         ctx.set_materialize_grads(False)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        return first_order_only(ctx, TopKDistillation._backward, grad_loss, message=SECOND_ORDER_MESSAGE)
+
+    @staticmethod
+    def _backward(ctx, grad_loss):
         none = (None,) * 9
         if grad_loss is None:
             return (None, None, None) + none
-        if ctx.in_forward:
+        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
             return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
         x_ND, W, b_V, *saved = ctx.saved_tensors
@@ -262,19 +268,22 @@ class DenseDistillation(torch.autograd.Function):
         in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
         loss, saved, grads = dense_forward(x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items,
                                            need if in_forward else (False, False), active)
-        ctx.in_forward, ctx.grads = in_forward, grads if in_forward else None
+        ctx.grads = grads if in_forward else None
         ctx.args = (valid_N, o, layout, vocab, plan, ops, num_items, active)
-        if not in_forward:
-            ctx.save_for_backward(x_ND, W, xt_ND, Wt, *saved)
+        ctx.save_for_backward(x_ND, W, xt_ND, Wt, *saved)
         ctx.set_materialize_grads(False)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        return first_order_only(ctx, DenseDistillation._backward, grad_loss, message=SECOND_ORDER_MESSAGE)
+
+    @staticmethod
+    def _backward(ctx, grad_loss):
         none = (None,) * 10
         if grad_loss is None:
             return (None, None) + none
-        if ctx.in_forward:
+        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
             return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
         x_ND, W, xt_ND, Wt, *saved = ctx.saved_tensors

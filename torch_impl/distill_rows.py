@@ -43,7 +43,7 @@ class TopKTeacher:
 
     def __init__(self, ids_NK, logprobs_NK, renormalize: bool, dtype):
         lp = logprobs_NK.to(dtype)
-        self.entry = (ids_NK >= 0) & (lp > -torch.inf)
+        self.entry = (ids_NK >= 0) & (lp != -torch.inf)  # NaN is an entry: a corrupted teacher shows
         lp = lp.masked_fill(~self.entry, -torch.inf)
         if renormalize:
             has = self.entry.any(dim=1, keepdim=True)

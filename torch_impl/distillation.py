@@ -9,6 +9,7 @@ from interop.blocking import skipping_pays
 from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_reduction,
                                   check_topk_inputs, teacher_id_out_of_range_message)
 from interop.options import check_strategy, target_out_of_range_message
+from torch_impl.arguments import check_tensors, dense
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation, plan_distillation
 from torch_impl.distill_rows import TopKTeacher, valid_rows
 from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute
@@ -100,6 +101,8 @@ def linear_topk_distillation(
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
         Gradients flow to input, linear_weight and linear_bias.
     """
+    check_tensors(input, dict(linear_weight=linear_weight, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs),
+                  dict(target=target, linear_bias=linear_bias, row_mask=row_mask))
     input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
     o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
                                 weight_hard, reduction, ignore_index, softcap)
@@ -113,11 +116,11 @@ def linear_topk_distillation(
         bias_dtype=_name(linear_bias), row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask),
         weight_layout=weight_layout, weight_hard=o.weight_hard)
     n, V, dev = shape.n_rows, shape.vocab, input.device
-    ids = teacher_ids.reshape(n, shape.k).to(torch.int64)
+    ids = dense(teacher_ids.reshape(n, shape.k).to(torch.int64))
     if bool((ids >= V).any()):
         raise ValueError(teacher_id_out_of_range_message(int(ids[ids >= V][0]), V))
-    y = None if target is None else target.reshape(n).to(torch.int64)
-    valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), o.ignore_index, dev)
+    y = None if target is None else dense(target.reshape(n).to(torch.int64))
+    valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
     y_kernel = torch.full((n,), -1, dtype=torch.int64, device=dev)
     if y is not None and o.weight_hard:
         bad = valid & ((y < 0) | (y >= V))
@@ -125,7 +128,8 @@ def linear_topk_distillation(
             raise ValueError(target_out_of_range_message(int(y[bad][0]), V, o.ignore_index))
         y_kernel = torch.where(valid, y, y_kernel)
     x_ND = input.reshape(n, shape.hidden)
-    logprobs = teacher_logprobs.reshape(n, shape.k)
+    logprobs = dense(teacher_logprobs.reshape(n, shape.k))
+    linear_bias = dense(linear_bias)
     wide = compute_dtype(input.dtype)
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, V)
     rows = _valid_rows_only(strategy, valid, shape.hidden, V)
@@ -176,6 +180,8 @@ def linear_distillation(
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
     """
+    check_tensors(input, dict(linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight),
+                  dict(target=target, row_mask=row_mask))
     input, linear_weight, teacher_input, teacher_weight = _autocast(input, linear_weight, teacher_input, teacher_weight)
     o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
     check_strategy(strategy)
@@ -188,8 +194,8 @@ def linear_distillation(
         row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask), weight_layout=weight_layout)
     n, dev = shape.n_rows, input.device
     vocab = min(shape.vocab, shape.teacher_vocab)
-    y = None if target is None else target.reshape(n)
-    valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), o.ignore_index, dev)
+    y = None if target is None else dense(target.reshape(n))
+    valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
     x_ND = input.reshape(n, shape.hidden)
     xt_ND = teacher_input.reshape(n, shape.teacher_hidden).detach()
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab)

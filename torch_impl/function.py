@@ -6,7 +6,42 @@ import torch
 
 from torch_impl import blocked
 from torch_impl.ce_kernels import TargetCheck
+from torch_impl.arguments import dense
 from torch_impl.kernels import scale_
+
+
+SECOND_ORDER_MESSAGE = (
+    'logitless: the kernel strategies ("speed", "memory") of linear_cross_entropy give first-order gradients '
+    'only; strategy="chunked" supports second-order derivatives (double backward, Hessians)'
+)
+
+
+class SecondOrderUnsupported(torch.autograd.Function):
+    """Passes first-order gradients through unchanged (as views) and raises `message` if
+    anything differentiates them."""
+
+    @staticmethod
+    def forward(ctx, message: str, n_anchors: int, *tensors):
+        ctx.message = message
+        return tuple(g.view_as(g) for g in tensors[n_anchors:])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(ctx.message)
+
+
+def first_order_only(ctx, backward, *grad_outputs, message: str = SECOND_ORDER_MESSAGE) -> tuple:
+    """backward(ctx, *grad_outputs) run without autograd recording (the kernels' buffers are
+    written in place), its gradients (tensors or None) tied under create_graph=True to the
+    inputs that need a gradient through SecondOrderUnsupported: they would otherwise look
+    constant to a second differentiation."""
+    with torch.no_grad():
+        grads = backward(ctx, *grad_outputs)
+    anchors = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+    if not torch.is_grad_enabled() or not anchors:
+        return grads
+    tied = iter(SecondOrderUnsupported.apply(message, len(anchors), *anchors, *(g for g in grads if g is not None)))
+    return tuple(None if g is None else next(tied) for g in grads)
 
 
 class KernelLinearCrossEntropy(torch.autograd.Function):
@@ -14,10 +49,15 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
     `active` (int64 [A]: the rows not ignored) only those rows are computed and lse is [A].
 
     When the loss is reduced, no lse is returned and some input needs a gradient, the
-    "speed" plan computes the gradients in the forward pass and the backward pass scales
-    them by the upstream gradient (in place). Otherwise the backward pass recomputes.
-    `check` is the call's TargetCheck over all of y: the caller asks it for bad targets
-    after the forward pass is queued.
+    "speed" plan computes the gradients in the forward pass and the first backward pass
+    scales them by the upstream gradient (in place) and hands them over; a later backward
+    through the same graph (``retain_graph=True``) recomputes, as every backward pass of the
+    other plans does. `check` is the call's TargetCheck over all of y: the caller asks it
+    for bad targets after the forward pass is queued.
+
+    The backward pass is not itself differentiable: under ``create_graph=True`` its
+    gradients carry `SecondOrderUnsupported`, so a second-order derivative raises a clear
+    error instead of PyTorch's "does not require grad" or a wrong zero.
     """
 
     @staticmethod
@@ -29,25 +69,27 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
             x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, need if in_forward else (False, False, False), check,
             active,
         )
-        ctx.in_forward = in_forward
         ctx.opts, ctx.weight_layout, ctx.plan, ctx.check = opts, weight_layout, plan, check
-        if in_forward:
-            ctx.grads = (dx, dW, db)
-        else:
-            ctx.save_for_backward(x_ND, W, b_V, cw_V, y_N, lse, active)
+        ctx.grads = (dx, dW, db) if in_forward else None
+        ctx.save_for_backward(x_ND, W, b_V, cw_V, y_N, lse, active)
         ctx.set_materialize_grads(False)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
+        return first_order_only(ctx, KernelLinearCrossEntropy._backward, grad_loss, grad_lse)
+
+    @staticmethod
+    def _backward(ctx, grad_loss, grad_lse):
         none = (None,) * 8
         if grad_loss is None and grad_lse is None:
             return (None, None, None) + none
-        if ctx.in_forward:
+        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
             if grad_loss is None:
                 return tuple(None if g is None else torch.zeros_like(g) for g in grads) + none
             return tuple(None if g is None else scale_(g, grad_loss) for g in grads) + none
+        grad_loss, grad_lse = dense(grad_loss), dense(grad_lse)  # an expanded upstream gradient has stride 0
         x_ND, W, b_V, cw_V, y_N, lse, active = ctx.saved_tensors
         grads = blocked.backward(
             grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, ctx.opts, ctx.weight_layout, ctx.plan,

@@ -8,6 +8,7 @@ import torch
 
 from interop.blocking import skipping_pays, speed_extra_bytes
 from interop.options import CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
+from torch_impl.arguments import check_tensors, dense
 from torch_impl.chunked import ChunkedLinearCrossEntropy
 
 try:
@@ -121,6 +122,7 @@ def linear_cross_entropy(
     Inside a ``torch.compile``d model the call runs as one opaque step (a graph break):
     the model compiles around it, and bad targets still raise.
     """
+    check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight))
     if torch.is_autocast_enabled(input.device.type):  # as F.linear would: cast to the autocast dtype
         dtype = torch.get_autocast_dtype(input.device.type)
         input, linear_weight = input.to(dtype), linear_weight.to(dtype)
@@ -142,7 +144,8 @@ def linear_cross_entropy(
         weight_layout=weight_layout,
     )
     x_ND = input.reshape(shape.n_rows, shape.hidden)
-    y_N = target.reshape(shape.n_rows)
+    y_N = dense(target.reshape(shape.n_rows))
+    linear_bias, weight = dense(linear_bias), dense(weight)
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab)
     if strategy == "chunked":
         _check_target_range(y_N, shape.vocab, opts.ignore_index)

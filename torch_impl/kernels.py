@@ -26,9 +26,34 @@ FILTER_COLS = 512  # columns per tile of gradient filtering
 
 
 @triton.jit
+def _expm1(x):
+    # exp(x) - 1 to full relative precision near 0 (Kahan: the rounding of w = exp(x) cancels
+    # in (w - 1) / log(w)); portable across Triton versions (no libdevice).
+    w = tl.exp(x)
+    return tl.where(w == 1.0, x, (w - 1.0) * x / tl.log(w))
+
+
+@triton.jit
 def _tanh(u):
-    # Portable across Triton versions (no libdevice): tanh(u) = 1 - 2 / (exp(2u) + 1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    # tanh(|u|) = -expm1(-2|u|) / (2 + expm1(-2|u|)): no cancellation for small u, where a
+    # softcap c much larger than the logits puts u = z / c (1 - 2 / (exp(2u) + 1) loses all
+    # of tanh(u) below u ~ 1e-8, and with it every capped logit).
+    e = _expm1(-2.0 * tl.abs(u))
+    t = -e / (2.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def nan_max(a, b):
+    # max that propagates NaN (Triton's default, like fmax, drops it): a NaN logit must
+    # make its row's lse NaN, not vanish from the statistics.
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def nan_max_reduce(v):
+    """The NaN-propagating max of a 1-D block."""
+    return tl.reduce(v, 0, nan_max)
 
 
 @triton.jit
@@ -62,12 +87,12 @@ def row_stats(z_row_ptr, b_ptr, cw_ptr, y, C, cap, scale,
         d = s_in - m_vec
         e = tl.where(s_in == -float("inf"), 0.0, tl.exp(-tl.abs(d)))
         l_vec = tl.where(d > 0, l_vec * e + 1.0, l_vec + e)
-        m_vec = tl.maximum(m_vec, s_in)
+        m_vec = nan_max(m_vec, s_in)
         if NEED_WS:
             if HAS_CW:
                 s = s * tl.load(cw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             ws_vec += tl.where(mask, s, 0.0)
-    m = tl.max(m_vec, axis=0)
+    m = nan_max_reduce(m_vec)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
     l = tl.sum(tl.where(m_vec == -float("inf"), 0.0, l_vec * tl.exp(m_vec - m_safe)), axis=0)
     y_in = (y >= 0) & (y < C)
@@ -90,7 +115,7 @@ def _block_stats_kernel(
     m_blk, l_blk, sy, ws = row_stats(z_ptr + row * stride_zr, b_ptr + v0, cw_ptr + v0, tl.load(y_ptr + row) - v0,
                                       C, cap, scale, HAS_BIAS, HAS_CW, HAS_CAP, NEED_WS, BLOCK)
     m_old = tl.load(m_ptr + row)
-    m = tl.maximum(m_old, m_blk)
+    m = nan_max(m_old, m_blk)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
     l_new = tl.load(l_ptr + row) * tl.exp(m_old - m_safe) + tl.where(m_blk == -float("inf"), 0.0, l_blk * tl.exp(m_blk - m_safe))
     tl.store(l_ptr + row, l_new)
@@ -135,7 +160,9 @@ def row_grad(z_row_ptr, dz_row_ptr, b_ptr, cw_ptr, y, lse, p_coef, t_coef, s_coe
             t = s / cap
             dz *= 1.0 - t * t
         if FILTER:
-            tl.store(tiles_ptr + c0 // BLOCK, 1, mask=tl.max(tl.where(mask, tl.abs(dz), 0.0), axis=0) > threshold)
+            # A tile holding NaN is kept: its NaN must reach the gradients.
+            tile_max = nan_max_reduce(tl.where(mask, tl.abs(dz), 0.0))
+            tl.store(tiles_ptr + c0 // BLOCK, 1, mask=(tile_max <= threshold) == 0)
         tl.store(dz_row_ptr + offs, dz.to(dz_row_ptr.dtype.element_ty), mask=mask)
 
 
