@@ -92,7 +92,7 @@ def linear_cross_entropy_reference(
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
     x = np.asarray(input, np.float64)
     lead = x.shape[:-1]
-    x_ND = x.reshape(-1, x.shape[-1])
+    x_ND = x.reshape(int(np.prod(lead)), x.shape[-1])  # -1 is ambiguous when D = 0
     W = np.asarray(linear_weight, np.float64)
     W_VD = W if weight_layout == "VD" else W.T
     V = W_VD.shape[0]

@@ -87,6 +87,38 @@ class Problem:
         return self.W.shape[0] if self.weight_layout == "VD" else self.W.shape[1]
 
 
+LAYOUTS = ("strided", "transposed", "expanded", "column", "offset")
+
+
+def laid_out(t, layout: str):
+    """A torch view of t's shape in `layout` (LAYOUTS) holding t's values, except "expanded":
+    t's first entry along the last dim repeated with stride 0 (a matrix's rows still differ)."""
+    if layout == "expanded":
+        return t[..., :1].expand(t.shape)
+    if layout == "strided":  # every other row of a larger buffer
+        big = t.new_zeros((2 * t.shape[0],) + t.shape[1:])
+        big[::2] = t
+        return big[::2]
+    if layout == "transposed":  # column-major (a 1-D tensor: a row of a column-major matrix)
+        if t.ndim == 1:
+            m = t.new_zeros(t.shape[0], 3).T
+            m[1] = t
+            return m[1]
+        return t.mT.contiguous().mT
+    if layout == "column":  # a slice of the last dim at an offset
+        if t.ndim == 1:
+            wide = t.new_zeros(t.shape[0], 3)
+            wide[:, 1] = t
+            return wide[:, 1]
+        wide = t.new_zeros(t.shape[:-1] + (t.shape[-1] + 5,))
+        wide[..., 3 : 3 + t.shape[-1]] = t
+        return wide[..., 3 : 3 + t.shape[-1]]
+    assert layout == "offset", layout  # an unaligned storage offset
+    flat = t.new_zeros(t.numel() + 7)
+    flat[7:] = t.reshape(-1)
+    return flat[7:].view(t.shape)
+
+
 def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
     """Round to `dtype` and back to float32 (float64 for float64)."""
     out = np.float64 if dtype == "float64" else np.float32
@@ -168,19 +200,22 @@ class TorchAdapter:
             kwargs[k] = conv(kwargs.get(k))
         return self.impl.linear_cross_entropy(conv(x), conv(W), conv(y), strategy=self.strategy, **kwargs)
 
-    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int64", return_lse=None):
+    def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int64", return_lse=None,
+            layouts=None):
         """Loss, lse (when returned) and the gradients wrt `wrt`, as float64 numpy arrays.
 
         return_lse defaults to whether grad_lse is given (a returned lse stops "speed" from
-        computing the gradients in the forward pass, so both paths get tested)."""
+        computing the gradients in the forward pass, so both paths get tested). layouts:
+        {"x" | "W" | "b" | "cw" | "y": a layout of `laid_out`}, views holding the same values."""
         return_lse = grad_lse is not None if return_lse is None else return_lse
+        lay = lambda k, t: t if t is None or not layouts or k not in layouts else laid_out(t.detach(), layouts[k])
         tensors = {
-            "x": self.tensor(p.x, p.dtype, "x" in wrt),
-            "W": self.tensor(p.W, p.dtype, "W" in wrt),
-            "b": None if p.b is None else self.tensor(p.b, p.dtype, "b" in wrt),
+            "x": lay("x", self.tensor(p.x, p.dtype)).requires_grad_("x" in wrt),
+            "W": lay("W", self.tensor(p.W, p.dtype)).requires_grad_("W" in wrt),
+            "b": None if p.b is None else lay("b", self.tensor(p.b, p.dtype)).requires_grad_("b" in wrt),
         }
-        cw = None if p.cw is None else self.tensor(p.cw)
-        y = self.tensor(p.y.astype(target_dtype))
+        cw = None if p.cw is None else lay("cw", self.tensor(p.cw))
+        y = lay("y", self.tensor(p.y.astype(target_dtype)))
         out = self.impl.linear_cross_entropy(
             tensors["x"], tensors["W"], y, linear_bias=tensors["b"], weight=cw,
             weight_layout=p.weight_layout, return_lse=return_lse, strategy=self.strategy, **options,

@@ -83,9 +83,9 @@ def run_case(case: str, dtype: str, strategy: str, device: str, lead=(13,), hidd
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
     tdt = getattr(torch, dtype)
     # Created once, in torch, and shared with JAX without a copy.
-    tensors = [None if a is None else torch.from_numpy(a).to(device=device, dtype=tdt) for a in (p.x, p.W, p.b)]
-    tensors.append(None if p.cw is None else torch.from_numpy(p.cw).to(device))
-    tensors.append(torch.from_numpy(p.y.astype(np.int32)).to(device))
+    tensors = [None if a is None else torch.tensor(a).to(device=device, dtype=tdt) for a in (p.x, p.W, p.b)]
+    tensors.append(None if p.cw is None else torch.tensor(p.cw, device=device))
+    tensors.append(torch.tensor(p.y.astype(np.int32), device=device))
     arrays = [None if t is None else to_jax(t) for t in tensors]
     ref = reference(p, options, g_out, g_lse)
     spec = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}

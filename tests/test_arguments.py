@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.frameworks import Problem, make_problem, reference, rel_err, seed_of, tolerance
+from tests.frameworks import LAYOUTS, Problem, laid_out, make_problem, reference, rel_err, seed_of, tolerance
 from tests.test_implementations import check_against_reference
 from torch_impl import linear_cross_entropy
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                                     reason="needs a CUDA GPU")])]
-LAYOUTS = ("strided", "transposed", "expanded", "column", "offset")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # config: (options, whether lse is returned and gets a gradient). "reduced" takes "speed"'s
 # gradients-in-the-forward path and the gathered rows; "rows" the recomputing backward pass.
@@ -30,34 +29,6 @@ CONFIGS = {
 }
 TENSOR_ARGS = ("input", "linear_weight", "target", "linear_bias", "weight")
 GRAD_ARGS = ("grad_output", "grad_lse")
-
-
-def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """A view of t's shape in `layout`, holding t's values ("expanded": t's first entry along
-    the last dim, repeated with stride 0; for a matrix a head whose classes still differ)."""
-    if layout == "expanded":
-        return t[..., :1].expand(t.shape)
-    if layout == "strided":  # every other row of a larger buffer
-        big = t.new_zeros((2 * t.shape[0],) + t.shape[1:])
-        big[::2] = t
-        return big[::2]
-    if layout == "transposed":  # column-major (a 1-D tensor: a row of a column-major matrix)
-        if t.ndim == 1:
-            m = t.new_zeros(t.shape[0], 3).T
-            m[1] = t
-            return m[1]
-        return t.mT.contiguous().mT
-    if layout == "column":  # a slice of the last dim, with an offset
-        wide = t.new_zeros(t.shape[:-1] + (t.shape[-1] + 5,)) if t.ndim > 1 else t.new_zeros(t.shape[0], 3)
-        if t.ndim == 1:
-            wide[:, 1] = t
-            return wide[:, 1]
-        wide[..., 3 : 3 + t.shape[-1]] = t
-        return wide[..., 3 : 3 + t.shape[-1]]
-    assert layout == "offset"  # an unaligned storage offset
-    flat = t.new_zeros(t.numel() + 7)
-    flat[7:] = t.reshape(-1)
-    return flat[7:].view(t.shape)
 
 
 @pytest.fixture

@@ -211,3 +211,56 @@ def test_softcap_is_accurate_at_any_cap(impl, cap):
     for key, r in (("loss", ref.loss), ("grad_x", ref.grad_input), ("grad_W", ref.grad_weight)):
         bound = 2 * rel_err(eager[key], r) + 1e-7
         assert rel_err(result[key], r) <= bound, f"{key}: {rel_err(result[key], r):.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_zero_hidden_size(impl):
+    """D = 0: every logit is its bias; the loss is defined and the input's gradient empty."""
+    p = make_problem(23, hidden=0, bias=True)
+    result = IMPLEMENTATIONS[impl].run(p, dict(), np.asarray(1.0), None)
+    ref = reference(p, dict(), np.asarray(1.0), None)
+    assert rel_err(result["loss"], ref.loss) <= tolerance("float32")
+    assert rel_err(result["grad_b"], ref.grad_bias) <= tolerance("float32")
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
+def test_torch_second_backward_through_a_retained_graph(strategy):
+    """backward(retain_graph=True) then backward again adds the same gradients twice ("speed"
+    hands its forward-pass gradients to the first backward and recomputes for the second)."""
+    import torch
+
+    import torch_impl
+
+    p = make_problem(24)
+    x, W = torch.tensor(p.x, requires_grad=True), torch.tensor(p.W, requires_grad=True)
+    loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), strategy=strategy)
+    loss.backward(retain_graph=True)
+    once = x.grad.clone(), W.grad.clone()
+    loss.backward()
+    for g, g1 in zip((x.grad, W.grad), once):
+        assert rel_err(g.numpy(), 2 * g1.numpy()) <= tolerance("float32")
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
+def test_torch_second_order_derivatives(strategy):
+    """"chunked" is twice differentiable (a Hessian-vector product matches float64 autograd of
+    the unfused loss); the kernel strategies raise a clear error instead of a wrong zero."""
+    import torch
+
+    import torch_impl
+
+    p = make_problem(25, dtype="float32", bias=False)
+    x, W = torch.tensor(p.x, dtype=torch.float64), torch.tensor(p.W, dtype=torch.float64)
+    y = torch.tensor(p.y)
+    x32 = x.float().requires_grad_()
+    loss = torch_impl.linear_cross_entropy(x32, W.float(), y, strategy=strategy)
+    (g,) = torch.autograd.grad(loss, x32, create_graph=True)
+    if strategy != "chunked":
+        with pytest.raises(RuntimeError, match='strategy="chunked" supports second-order'):
+            torch.autograd.grad(g.sum(), x32)
+        return
+    (hv,) = torch.autograd.grad(g.sum(), x32)
+    x64 = x.clone().requires_grad_()
+    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(x64 @ W.T, y), x64, create_graph=True)
+    (hv64,) = torch.autograd.grad(g64.sum(), x64)
+    assert rel_err(hv.numpy(), hv64.numpy()) <= tolerance("float32")

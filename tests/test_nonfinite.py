@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.frameworks import cpu_implementations, make_problem, reference
+from tests.frameworks import JaxAdapter, TorchAdapter, make_problem, reference
+from tests.test_fuzz import _device
 
-IMPLEMENTATIONS = cpu_implementations()
+# PyTorch's kernels run on CUDA where there is a GPU (on a CPU, in Triton's interpreter)
+IMPLEMENTATIONS = {a.name: a for s in ("chunked", "speed", "memory") for a in (TorchAdapter(s, _device()), JaxAdapter(s))}
 UNTARGETED = 7  # a class no row targets: only the row statistics (max, sum) see it
 
 # placement: how it changes a problem (x [N, D], W [V, D], b [V], y [N])

@@ -28,9 +28,10 @@ FILTER_COLS = 512  # columns per tile of gradient filtering
 @triton.jit
 def _expm1(x):
     # exp(x) - 1 to full relative precision near 0 (Kahan: the rounding of w = exp(x) cancels
-    # in (w - 1) / log(w)); portable across Triton versions (no libdevice).
+    # in (w - 1) / log(w)); -1 where exp underflows (log(0) would give 0); portable across
+    # Triton versions (no libdevice).
     w = tl.exp(x)
-    return tl.where(w == 1.0, x, (w - 1.0) * x / tl.log(w))
+    return tl.where(w == 1.0, x, tl.where(w == 0.0, -1.0, (w - 1.0) * x / tl.log(w)))
 
 
 @triton.jit
@@ -57,10 +58,24 @@ def nan_max_reduce(v):
 
 
 @triton.jit
-def _capped_logits(z_ptrs, b_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr):
+def _softcap_slope(z, cap):
+    # d(c tanh(z / c)) / dz = sech(u)^2 = 4 w / (1 + w)^2, w = exp(-2|u|): accurate where the
+    # cap saturates, which 1 - tanh(u)^2 cancels to rounding noise.
+    w = tl.exp(-2.0 * tl.abs(z / cap))
+    return 4.0 * w / ((1.0 + w) * (1.0 + w))
+
+
+@triton.jit
+def _logits(z_ptrs, b_ptr, cols, mask, HAS_BIAS: tl.constexpr):
     z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return z
+
+
+@triton.jit
+def _capped_logits(z_ptrs, b_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr):
+    z = _logits(z_ptrs, b_ptr, cols, mask, HAS_BIAS)
     if HAS_CAP:
         z = cap * _tanh(z / cap)
     return z
@@ -139,14 +154,15 @@ def row_grad(z_row_ptr, dz_row_ptr, b_ptr, cw_ptr, y, lse, p_coef, t_coef, s_coe
         threshold = filter_eps * tl.maximum(tl.abs(p_coef), tl.abs(t_coef))
         y_in = (y >= 0) & (y < C)
         if HAS_CAP:  # softcap'(z_y), from the target's one logit
-            s_y = _capped_logits(z_row_ptr + tl.where(y_in, y, 0), b_ptr, tl.where(y_in, y, 0), y_in, cap, HAS_BIAS, HAS_CAP)
-            tl.store(target_ptr, -t_coef * (1.0 - (s_y / cap) * (s_y / cap)), mask=y_in)
+            z_y = _logits(z_row_ptr + tl.where(y_in, y, 0), b_ptr, tl.where(y_in, y, 0), y_in, HAS_BIAS)
+            tl.store(target_ptr, -t_coef * _softcap_slope(z_y, cap), mask=y_in)
         else:
             tl.store(target_ptr, -t_coef, mask=y_in)
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
-        s = _capped_logits(z_row_ptr + offs, b_ptr, offs, mask, cap, HAS_BIAS, HAS_CAP)
+        z = _logits(z_row_ptr + offs, b_ptr, offs, mask, HAS_BIAS)
+        s = cap * _tanh(z / cap) if HAS_CAP else z
         dz = p_coef * tl.exp(s * scale - lse)
         if not FILTER:
             dz -= tl.where(offs == y, t_coef, 0.0)
@@ -157,8 +173,7 @@ def row_grad(z_row_ptr, dz_row_ptr, b_ptr, cw_ptr, y, lse, p_coef, t_coef, s_coe
         else:
             dz -= s_coef
         if HAS_CAP:
-            t = s / cap
-            dz *= 1.0 - t * t
+            dz *= _softcap_slope(z, cap)
         if FILTER:
             # A tile holding NaN is kept: its NaN must reach the gradients.
             tile_max = nan_max_reduce(tl.where(mask, tl.abs(dz), 0.0))
