@@ -2,7 +2,11 @@
 
 - `jax_loss_in_torch(input, linear_weight, target, **options)`: `jax_impl`'s loss on torch
   tensors, as a torch autograd Function. The buffers cross through DLPack without a copy
-  (CPU and CUDA); only an int64 target is narrowed to int32 (N elements) for JAX.
+  (CPU and CUDA) where JAX can alias them; a non-contiguous tensor, or a view at an address
+  XLA can't alias (``t[1:]`` on the CPU), is copied, and an int64 target is narrowed to
+  int32 (N elements) for JAX. A float64 call runs with JAX's x64 mode turned on for its
+  forward and backward (``jax.enable_x64``), so it computes in float64 as torch's own call
+  does, whatever the global setting.
 - `torch_loss_in_jax(input, linear_weight, target, **options)`: `torch_impl`'s loss on
   jax arrays, inside a `jax.custom_vjp`, usable under `jax.jit`. It goes through
   `jax.pure_callback`, whose operands live in host memory: on a GPU every call copies the
@@ -10,44 +14,67 @@
   CPU. JAX offers no device-side callback that hands its buffers to another framework, so
   this direction is for interoperability and tests, not speed.
 
-`options` are those of `linear_cross_entropy` (both frameworks accept the same).
+`options` are those of `linear_cross_entropy` (both frameworks accept the same); the class
+weights ``weight`` are an array of the calling framework, constants as in the direct call,
+and ``return_lse=True`` returns (loss, lse), both differentiable.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
 from interop.dlpack import to_jax, to_torch
 
 
-def _jax_function(options: dict):
+def _x64_mode(on: bool):
+    """JAX's x64 mode turned on (a float64 call: JAX would narrow its buffers to float32
+    without it), else the setting as it is."""
+    import jax
+
+    return jax.enable_x64(True) if on else contextlib.nullcontext()
+
+
+def _as_jax(t):
+    """A torch tensor's data as a jax.Array: its buffer where JAX can alias it, else a copy."""
+    return to_jax(t.detach(), copy=None)
+
+
+def jax_loss_in_torch(input, linear_weight, target, *, linear_bias=None, weight=None, return_lse=False, **options):
+    """`jax_impl.linear_cross_entropy` on torch tensors; differentiable in torch with respect
+    to ``input``, ``linear_weight`` and ``linear_bias`` (see the module's docstring)."""
+    import torch
+
     import jax_impl
 
-    return lambda x, W, b, y: jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, **options)
-
-
-def jax_loss_in_torch(input, linear_weight, target, *, linear_bias=None, **options):
-    """`jax_impl.linear_cross_entropy` on torch tensors; differentiable in torch."""
-    import torch
+    float64 = any(t is not None and t.dtype == torch.float64 for t in (input, linear_weight, linear_bias, weight))
 
     class _JaxLoss(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, W, b):
             import jax
 
-            args = [to_jax(t.detach().contiguous()) if t is not None else None for t in (x, W, b)]
-            y = to_jax(target.detach().to(torch.int32).contiguous())
-            # Under jax.vjp the inputs are tracers, and JAX would pick its default backend's
-            # path; CPU tensors (also on a GPU host) take the chunked path, which runs anywhere.
-            opts = options if x.is_cuda else {**options, "strategy": "chunked"}
-            loss, vjp = jax.vjp(lambda x, W, b: _jax_function(opts)(x, W, b, y), *args)
-            ctx.vjp = vjp
-            return to_torch(loss).clone()  # the loss is small; a torch-owned copy is safer
+            with _x64_mode(float64):
+                y = _as_jax(target.to(torch.int32))
+                w = None if weight is None else _as_jax(weight)
+                # Under jax.vjp the inputs are tracers, and JAX would pick its default backend's
+                # path; CPU tensors (also on a GPU host) take the chunked path, which runs anywhere.
+                opts = options if x.is_cuda else {**options, "strategy": "chunked"}
+
+                def loss(x, W, b):
+                    return jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=w, return_lse=return_lse, **opts)
+
+                outputs, ctx.vjp = jax.vjp(loss, *(None if t is None else _as_jax(t) for t in (x, W, b)))
+            # The outputs are small; torch-owned copies are safer than JAX's immutable buffers.
+            return tuple(to_torch(o).clone() for o in outputs) if return_lse else to_torch(outputs).clone()
 
         @staticmethod
-        def backward(ctx, grad_loss):
-            grads = ctx.vjp(to_jax(grad_loss.contiguous()))
-            return tuple(None if g is None else to_torch(g) for g in grads)
+        def backward(ctx, *grad_outputs):
+            with _x64_mode(float64):
+                cotangents = tuple(_as_jax(g) for g in grad_outputs)
+                grads = ctx.vjp(cotangents if return_lse else cotangents[0])
+                return tuple(None if g is None else to_torch(g) for g in grads)
 
     return _JaxLoss.apply(input, linear_weight, linear_bias)
 
@@ -75,46 +102,50 @@ def _host_array(t):
     return t.numpy()
 
 
-def torch_loss_in_jax(input, linear_weight, target, *, linear_bias=None, **options):
-    """`torch_impl.linear_cross_entropy` on jax arrays; differentiable in JAX (through host
-    memory, see the module's docstring)."""
+def torch_loss_in_jax(input, linear_weight, target, *, linear_bias=None, weight=None, return_lse=False, **options):
+    """`torch_impl.linear_cross_entropy` on jax arrays; differentiable in JAX with respect to
+    ``input``, ``linear_weight`` and ``linear_bias`` (through host memory, see the module's
+    docstring)."""
     import jax
     import jax.numpy as jnp
 
-    reduction = options.get("reduction", "mean")
-    loss_shape = target.shape if reduction == "none" else ()
-    has_bias = linear_bias is not None
+    row_shape = target.shape if options.get("reduction", "mean") == "none" else ()
+    dtype = jnp.float64 if input.dtype == jnp.float64 else jnp.float32  # torch_impl's loss and lse dtype
+    output_shapes = (jax.ShapeDtypeStruct(row_shape, dtype),) + (jax.ShapeDtypeStruct(target.shape, dtype),) * return_lse
 
-    def torch_call(x, W, b, y, g):
-        """Loss (g is None) or gradients for upstream g, computed by torch on host arrays."""
+    def torch_call(x, W, b, y, w, g):
+        """The outputs (g is None) or the gradients of x, W (and b) for the upstream
+        gradients g of the outputs, computed by torch on host arrays."""
         import torch
 
         import torch_impl
 
         t = [None if a is None else _host_tensor(a).requires_grad_(g is not None) for a in (x, W, b)]
-        loss = torch_impl.linear_cross_entropy(t[0], t[1], _host_tensor(y), linear_bias=t[2], **options)
+        class_weights = None if w is None else _host_tensor(w)
+        outputs = torch_impl.linear_cross_entropy(t[0], t[1], _host_tensor(y), linear_bias=t[2], weight=class_weights,
+                                                  return_lse=return_lse, **options)
+        outputs = outputs if return_lse else (outputs,)
         if g is None:
-            return loss.detach().numpy().astype(np.float32)
-        grads = torch.autograd.grad(loss, [a for a in t if a is not None], _host_tensor(g).to(loss.dtype))
+            return tuple(o.detach().numpy() for o in outputs)
+        grads = torch.autograd.grad(outputs, [a for a in t if a is not None], [_host_tensor(gi) for gi in g])
         return tuple(_host_array(gr) for gr in grads)
 
-    def call_loss(x, W, b, y):
-        out = jax.ShapeDtypeStruct(loss_shape, jnp.float32)
-        return jax.pure_callback(lambda x, W, b, y: torch_call(x, W, b, y, None), out, x, W, b, y)
+    def call_outputs(x, W, b, y, w):
+        return jax.pure_callback(lambda x, W, b, y, w: torch_call(x, W, b, y, w, None), output_shapes, x, W, b, y, w)
 
     @jax.custom_vjp
-    def loss_fn(x, W, b):
-        return call_loss(x, W, b, target)
+    def loss_fn(x, W, b, y, w):
+        return call_outputs(x, W, b, y, w)
 
-    def fwd(x, W, b):
-        return call_loss(x, W, b, target), (x, W, b)
+    def fwd(x, W, b, y, w):
+        return call_outputs(x, W, b, y, w), (x, W, b, y, w)
 
     def bwd(res, g):
-        x, W, b = res
-        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, W, b) if a is not None]
-        grads = jax.pure_callback(lambda x, W, b, y, g: torch_call(x, W, b, y, g), tuple(shapes), x, W, b, target, g)
-        return grads[0], grads[1], grads[2] if has_bias else None
+        x, W, b, y, w = res
+        shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, W, b) if a is not None)
+        grads = jax.pure_callback(torch_call, shapes, x, W, b, y, w, g)
+        return grads[0], grads[1], grads[2] if b is not None else None, None, None
 
     loss_fn.defvjp(fwd, bwd)
-    return loss_fn(input, linear_weight, linear_bias)
-
+    outputs = loss_fn(input, linear_weight, linear_bias, target, weight)
+    return outputs if return_lse else outputs[0]

@@ -12,7 +12,8 @@ from interop.dlpack import SHARED_DTYPES, to_jax, to_torch
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+                "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+X64_DTYPES = ("int64", "float64")  # shared only while JAX runs with x64
 
 
 def _pointer(array) -> int:
@@ -35,16 +36,17 @@ def _check_round_trip(device, dtype):
     assert back.data_ptr() == t.data_ptr() and back.dtype == t.dtype and back.device == t.device
 
 
-@pytest.mark.parametrize("dtype", [d for d in SHARED_DTYPES if d != "int64"])
+@pytest.mark.parametrize("dtype", [d for d in SHARED_DTYPES if d not in X64_DTYPES])
 @pytest.mark.parametrize("device", DEVICES)
 def test_round_trip_shares_memory(device, dtype):
     _check_round_trip(device, dtype)
 
 
+@pytest.mark.parametrize("dtype", X64_DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_int64_round_trip_with_x64(device):
+def test_64_bit_round_trip_with_x64(device, dtype):
     with jax.enable_x64(True):
-        _check_round_trip(device, "int64")
+        _check_round_trip(device, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -77,11 +79,28 @@ def test_refusals_name_the_problem():
         to_torch(a)
 
 
-def test_int64_without_x64_is_refused():
+@pytest.mark.parametrize("dtype, narrowed", [("int64", "int32"), ("uint64", "uint32"), ("float64", "float32"),
+                                             ("complex128", "complex64")])
+def test_64_bit_tensors_without_x64_are_refused(dtype, narrowed):
+    """Without x64 JAX would hand back a 32-bit copy: neither shared nor of the tensor's dtype."""
     assert not jax.config.jax_enable_x64
-    with pytest.raises(ValueError, match="int32"):
-        to_jax(torch.arange(3))
-    assert _pointer(to_jax(torch.arange(3).int())) != 0
+    with pytest.raises(ValueError, match=rf"a {dtype} tensor, but JAX runs without x64 and would copy it to {narrowed}"):
+        to_jax(torch.zeros(3, dtype=getattr(torch, dtype)))
+
+
+def test_a_view_that_jax_cannot_alias_is_refused_or_copied_on_request():
+    """XLA on the CPU aliases only 64-byte-aligned memory: t[16:] of a float32 tensor starts 64
+    bytes in and is shared, t[1:] would be copied by JAX, so it is refused unless copy=None."""
+    t = torch.arange(64, dtype=torch.float32)
+    assert _pointer(to_jax(t[16:])) == t[16:].data_ptr()
+    with pytest.raises(ValueError, match=r"can't alias .*at element 1, e\.g\. t\[1:\]\).*clone\(\)"):
+        to_jax(t[1:])
+    clone = t[1:].clone()
+    assert _pointer(to_jax(clone)) == clone.data_ptr()
+    for view in (t[1:], t.reshape(8, 8).T):  # unaligned; not contiguous
+        copied = to_jax(view, copy=None)
+        assert _pointer(copied) != view.data_ptr()
+        np.testing.assert_array_equal(np.asarray(copied), view.numpy())
 
 
 @pytest.mark.cuda

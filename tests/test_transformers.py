@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -75,6 +76,9 @@ def assert_same_step(reference_step: tuple, patched_step: tuple) -> None:
     torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=0)
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
+        if ref is None:  # a frozen parameter, or one the step does not reach
+            assert grads[name] is None, name
+            continue
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=name)
 
 
@@ -112,12 +116,31 @@ def test_head_bias_shift_labels_and_ignore_index():
     assert_same_training_step(reference, patched, input_ids=batch["input_ids"], labels=fives, ignore_index=5)
 
 
-def test_return_dict_false_and_positional_arguments():
+def test_return_dict_false_keeps_the_original_tuple_layout():
+    """out[1] is the logits slot (None when fused) and out[2] the cache, as in the original's
+    tuple (ModelOutput.to_tuple would drop the None logits and move the cache to out[1])."""
     reference = make_model()
     patched = patch_causal_lm(copy.deepcopy(reference))
     batch = make_batch()
-    loss, *_ = patched(batch["input_ids"], None, labels=batch["labels"], return_dict=False)
-    torch.testing.assert_close(loss, reference(**batch).loss, rtol=1e-5, atol=0)
+    ref = reference(**batch, return_dict=False)
+    out = patched(batch["input_ids"], None, labels=batch["labels"], return_dict=False)
+    assert len(out) == len(ref) == 3 and out[1] is None and ref[1].shape == (2, 9, VOCAB)
+    assert type(out[2]) is type(ref[2]) and out[2].get_seq_length() == ref[2].get_seq_length() == 9
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=0)
+
+
+def test_a_cache_given_by_position_reaches_the_decoder_without_a_deprecation_warning():
+    """The fourth argument binds to the installed forward's own name for it (``cache`` from
+    transformers 5.24, ``past_key_values`` before) and fills the cache; no call passes the
+    other name, which 5.24 deprecates with a FutureWarning."""
+    patched = patch_causal_lm(make_model())
+    batch = make_batch()
+    cache = transformers.DynamicCache(config=patched.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = patched(batch["input_ids"], None, None, cache, labels=batch["labels"], use_cache=True)
+        assert patched(**batch).logits is None
+    assert out.logits is None and cache.get_seq_length() == 9
 
 
 @pytest.mark.parametrize("name", SUPPORTED_MODELS)
@@ -132,15 +155,87 @@ def test_eval_mode_and_no_labels_run_the_original(name):
         reference.eval(), patched.eval()
 
 
+class ModulesToSave(nn.Module):
+    """peft's ModulesToSaveWrapper as the fused loss reads it, for when peft is not installed:
+    the original head, a trainable copy per adapter (here one, scaled so that it differs), and
+    a forward that runs the active adapter's copy unless adapters are disabled."""
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.original_module = head
+        self.modules_to_save = nn.ModuleDict({"default": copy.deepcopy(head)})
+        with torch.no_grad():
+            self.modules_to_save["default"].weight.mul_(1.5)
+        self.active_adapter = "default"
+        self.disable_adapters = False
+
+    def forward(self, hidden_states):
+        if self.disable_adapters:
+            return self.original_module(hidden_states)
+        return self.modules_to_save[self.active_adapter](hidden_states)
+
+
+class Linear(nn.Module):
+    """A LoRA-wrapped head as peft makes it (a class named Linear that is no nn.Linear): the
+    base layer plus a low-rank term that only its forward adds."""
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.base_layer = head
+        self.lora_A = nn.Linear(head.in_features, 2, bias=False)
+        self.lora_B = nn.Linear(2, head.out_features, bias=False)
+
+    def forward(self, hidden_states):
+        return self.base_layer(hidden_states) + self.lora_B(self.lora_A(hidden_states))
+
+
 def test_fused_path_refuses_logits_to_keep_and_a_wrapped_head():
     batch = make_batch()
     patched = patch_causal_lm(make_model())
     assert patched(**batch, logits_to_keep=0).logits is None
     with pytest.raises(ValueError, match="logits_to_keep"):
         patched(**batch, logits_to_keep=1)
-    patched.lm_head = nn.Sequential(patched.lm_head)
-    with pytest.raises(TypeError, match="Sequential"):
-        patched(**batch)
+    head = patched.lm_head
+    wrappers = [(nn.Sequential(head), r"torch\.nn\.modules\.container\.Sequential"), (Linear(head), r"tests\S*\.Linear")]
+    for wrapped, kind in wrappers:
+        patched.lm_head = wrapped
+        with pytest.raises(TypeError, match=rf"LlamaForCausalLM: .* not {kind}: it reads lm_head.weight .*merge_and_unload"):
+            patched(**batch)
+
+
+def test_a_modules_to_save_head_trains_the_module_it_runs():
+    """The fused loss uses the head that the wrapper runs: the active adapter's copy, or the
+    original with adapters disabled; loss and every gradient as the unpatched model's."""
+    reference = make_model()
+    reference.lm_head = ModulesToSave(reference.lm_head)
+    patched = patch_causal_lm(copy.deepcopy(reference))
+    assert_same_training_step(reference, patched, **make_batch())
+    reference.lm_head.disable_adapters = patched.lm_head.disable_adapters = True
+    assert_same_training_step(reference, patched, **make_batch())
+
+
+def test_peft_heads():
+    """With peft installed: modules_to_save=["lm_head"] trains like the unpatched PEFT model; LoRA on lm_head is refused."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    reference = peft.get_peft_model(make_model(), config)
+    patched = copy.deepcopy(reference)
+    patch_causal_lm(patched.get_base_model())
+    assert_same_training_step(reference, patched, **make_batch())
+    lora = peft.get_peft_model(patch_causal_lm(make_model()), peft.LoraConfig(r=2, target_modules=["lm_head"]))
+    with pytest.raises(TypeError, match=r"LlamaForCausalLM: .* not peft\.tuners\.lora\S*\.Linear"):
+        lora(**make_batch())
+
+
+def test_labels_that_are_not_integer_tensors_are_refused_by_name():
+    patched = patch_causal_lm(make_model())
+    batch = make_batch()
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor of token ids, got list"):
+        patched(batch["input_ids"], labels=batch["labels"].tolist())
+    with pytest.raises(TypeError, match="labels must hold integer token ids, got dtype torch.float32"):
+        patched(batch["input_ids"], labels=batch["labels"].float())
+    with pytest.raises(TypeError, match="shift_labels must be a torch.Tensor of token ids, got list"):
+        patched(**batch, shift_labels=batch["labels"].tolist())
 
 
 def test_unpatch_an_instance_restores_it_exactly():

@@ -11,27 +11,43 @@ runs the decoder (``self.model``) for the final hidden states [B, T, D] and comp
 loss of ``transformers``' ``ForCausalLMLoss`` with `torch_impl.linear_cross_entropy` from
 them and ``lm_head.weight`` [V, D] (+ ``lm_head.bias``), Gemma's
 ``config.final_logit_softcapping`` as ``softcap``. It returns the model's
-``CausalLMOutputWithPast`` (or its tuple for ``return_dict=False``) with ``logits=None``.
-In eval mode, or without labels, it calls the original forward unchanged.
+``CausalLMOutputWithPast`` with ``logits=None``. In eval mode, or without labels, it calls
+the original forward unchanged.
+
+The decoder gets the arguments as the caller gave them, under the caller's names: the
+cache argument (``past_key_values``, renamed ``cache`` in transformers 5.24) reaches it
+only when given, so the fused call warns about a deprecated name only where the original
+would.
+
+``return_dict=False`` returns a tuple with the positional layout of the original's (loss,
+logits, cache, hidden states, attentions): the logits slot holds None, so ``out[1]`` is the
+logits in both (None when fused) and ``out[2]`` the cache. As in ``ModelOutput.to_tuple``,
+the slots after the logits that are None (no cache, hidden states or attentions asked for)
+are left out, as the original leaves them out.
 
 The loss is ForCausalLMLoss's: targets are ``labels`` shifted left by one with
 ``ignore_index`` appended (or the ``shift_labels`` keyword as given); ``ignore_index``
 (default -100) as a keyword; ``num_items_in_batch`` given (gradient accumulation) makes it
 the fp32 sum over the valid targets divided by ``num_items_in_batch``, else their mean.
-A custom ``model.loss_function`` is not called by the fused path.
+A custom ``model.loss_function`` is not called by the fused path. ``labels`` and
+``shift_labels`` that are not integer tensors raise TypeError naming them.
 
 ``logits_to_keep`` chooses which positions get logits; the fused path builds none, so it
 computes the loss over every position, as the original does with the default
 ``logits_to_keep=0``; any other value raises ValueError in the fused path (in eval mode or
 without labels it reaches the original forward as usual).
 
-The head must be a plain ``nn.Linear`` (a wrapped one, e.g. LoRA on ``lm_head``, raises
-TypeError in the fused path rather than silently dropping the wrapper).
+The fused path reads the head's weight and bias without calling it, so the head must be a
+plain ``nn.Linear``, or peft's ``ModulesToSaveWrapper`` around one (``modules_to_save=
+["lm_head"]``: the fused loss uses the module the wrapper would run, the active adapter's
+trained copy, or the original when adapters are disabled or none is active). Any other
+head (a LoRA-wrapped ``lm_head``, say, whose adapter's term would be left out) raises
+TypeError naming the model class, the head's type and what to do (merge the adapter).
 
 Covered families: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text,
 ``Gemma3ForCausalLM``) and Phi-3, those of them that the installed transformers has
 (``SUPPORTED_MODELS`` lists their classes); a subclass that does not override ``forward``
-counts as its base class. Tested with transformers 4.57, 5.0 and 5.23.
+counts as its base class. Tested with transformers 4.57, 5.0, 5.23 and 5.24.
 """
 
 from __future__ import annotations
@@ -45,7 +61,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils import can_return_tuple
 
 from torch_impl.functional import linear_cross_entropy
 
@@ -155,56 +170,108 @@ def _causal_lm_loss(
     return loss / num_items_in_batch
 
 
-@can_return_tuple
+def _is_modules_to_save(head: nn.Module) -> bool:
+    """Whether ``head`` has the interface of peft's ``ModulesToSaveWrapper``, read by its
+    attributes so that peft need not be importable here."""
+    return all(hasattr(head, name) for name in ("original_module", "modules_to_save", "active_adapter", "disable_adapters"))
+
+
+def _active_module(wrapper: nn.Module) -> nn.Module:
+    """The module that a ``ModulesToSaveWrapper`` runs, as its forward picks it: the original
+    when adapters are disabled or no active adapter has a copy, else the (one) active
+    adapter's copy. ``active_adapter`` is a name in older peft, a list of names in newer."""
+    active = wrapper.active_adapter
+    names = [active] if isinstance(active, str) else list(active)
+    if wrapper.disable_adapters or not names or any(name not in wrapper.modules_to_save for name in names):
+        return wrapper.original_module
+    return wrapper.modules_to_save[names[0]]
+
+
+def _linear_head(model: nn.Module) -> nn.Linear:
+    """The nn.Linear whose weight and bias make ``model``'s logits, or TypeError: the fused
+    loss reads them without calling the head, so a head that computes more (a LoRA adapter's
+    term, say) would silently lose it."""
+    head = model.lm_head
+    if _is_modules_to_save(head):
+        head = _active_module(head)
+    if not isinstance(head, nn.Linear):
+        kind = f"{type(head).__module__}.{type(head).__qualname__}"
+        raise TypeError(
+            f"{type(model).__name__}: the fused loss needs an nn.Linear lm_head (or peft's ModulesToSaveWrapper around "
+            f"one), not {kind}: it reads lm_head.weight and lm_head.bias without calling lm_head, so the wrapper's own "
+            "computation would be left out; merge an adapter into the weight first (peft's merge_and_unload) or keep "
+            "lm_head out of its target modules"
+        )
+    return head
+
+
+def _check_labels(**labels) -> None:
+    """TypeError, naming the argument, for labels that are not an integer tensor (None
+    passes); they would otherwise fail deep inside under another name (the input of the
+    shift's pad, the loss's target)."""
+    for name, value in labels.items():
+        if value is None:
+            continue
+        if not torch.is_tensor(value):
+            raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(value).__name__}")
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids, got dtype {value.dtype}")
+
+
+def _positional_tuple(output: CausalLMOutputWithPast) -> tuple:
+    """``output.to_tuple()`` with the logits slot kept: (loss, None, cache, ...), the
+    original's positions (its tuple always holds the logits at index 1)."""
+    loss, *rest = output.to_tuple()
+    return (loss, None, *rest)
+
+
 def _fused_loss_forward(
     self,
     softcap_attr: str | None,
-    input_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    past_key_values=None,
-    inputs_embeds: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    use_cache: bool | None = None,
+    *,
+    labels: torch.Tensor,
     logits_to_keep: int | torch.Tensor = 0,
-    **kwargs,
-) -> CausalLMOutputWithPast:
-    """The covered classes' forward (same arguments after ``softcap_attr``, the config
-    attribute of the softcap or None) with `_causal_lm_loss` in place of the head and
-    ForCausalLMLoss: the output has the loss and ``logits=None``."""
+    return_dict: bool | None = None,
+    **model_kwargs,
+) -> CausalLMOutputWithPast | tuple:
+    """The covered classes' forward with `_causal_lm_loss` in place of the head and
+    ForCausalLMLoss: the output has the loss and ``logits=None``.
+
+    Args:
+        softcap_attr: the config attribute of the softcap, or None.
+        labels, logits_to_keep: the forward's.
+        return_dict: the forward's; None reads ``config.return_dict``, as transformers'
+            ``can_return_tuple`` does.
+        **model_kwargs: every other argument of the call, by the name the caller's forward
+            gave it; the decoder gets them all, as the original passes its arguments on.
+    """
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         raise ValueError("logits_to_keep must be 0 when the loss is fused: no logits are built")
-    if not isinstance(self.lm_head, nn.Linear):
-        raise TypeError(f"the fused loss needs an nn.Linear lm_head, not {type(self.lm_head).__name__}")
-    outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
-    )
+    _check_labels(labels=labels, shift_labels=model_kwargs.get("shift_labels"))
+    head = _linear_head(self)
+    outputs = self.model(**model_kwargs)
     softcap = None if softcap_attr is None else getattr(self.config, softcap_attr)
-    return CausalLMOutputWithPast(
-        loss=_causal_lm_loss(outputs.last_hidden_state, self.lm_head, labels, softcap=softcap, **kwargs),
+    output = CausalLMOutputWithPast(
+        loss=_causal_lm_loss(outputs.last_hidden_state, head, labels, softcap=softcap, **model_kwargs),
         logits=None,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
+        **{name: value for name, value in outputs.items() if name != "last_hidden_state"},  # the cache by its own name
     )
+    return output if (self.config.return_dict if return_dict is None else return_dict) else _positional_tuple(output)
 
 
 def _patched(original, softcap_attr: str | None):
     """A forward that runs `_fused_loss_forward` in train mode with labels, else ``original``
     (a function of (self, ...)) with the arguments as given."""
     signature = inspect.signature(original)
+    self_name = next(iter(signature.parameters))
+    var_keyword = next((name for name, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        labels = signature.bind(self, *args, **kwargs).arguments.get("labels")
-        if self.training and labels is not None:
-            return _fused_loss_forward(self, softcap_attr, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        if self.training and arguments.get("labels") is not None:
+            named = {name: value for name, value in arguments.items() if name not in (self_name, var_keyword)}
+            return _fused_loss_forward(self, softcap_attr, **named, **arguments.get(var_keyword, {}))
         return original(self, *args, **kwargs)
 
     setattr(forward, _ORIGINAL, original)
