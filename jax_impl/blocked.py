@@ -37,6 +37,7 @@ from jax_impl import row_products
 from jax_impl.matmul import contract
 from jax_impl.rows import (TargetRows, kept_first, reduce_loss, row_coefficients, row_loop, row_loss,
                            unfolded_count)
+from jax_impl.sharding import vary_like
 
 # Skipping ignored rows, "speed" computes the kept rows after its last full block in blocks
 # this many times smaller (H100, L: the 410 kept rows of the last 2048-row block in one block
@@ -170,6 +171,7 @@ class Head:
         n_full, rest = divmod(self.vocab, cols)
         if n_full == 1 and not rest:
             return body(0, cols, carry)
+        carry = vary_like(carry, self.x, self.W)  # shard_map: the carry's type as body's
         carry = jax.lax.fori_loop(0, n_full, lambda i, c: body(i * cols, cols, c), carry)
         if not rest:
             return carry

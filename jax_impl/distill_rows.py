@@ -39,7 +39,9 @@ def reduce_rows(loss_N, valid_N, reduction: str, num_items):
 
 
 class TopKTeacher(NamedTuple):
-    """The teacher's entries, all [N, K]: ids (int32, -1 for padding), entry (bool), P and
+    """The teacher's entries, all [N, K]: ids (int32, -1 for padding), entry (bool: an id
+    >= 0 whose log-probability is not -inf; a NaN one is an entry, whose NaN reaches its
+    row's loss and gradients as PyTorch's would), P and
     log P (compute dtype, 0 for padding), slot (equal ids of a row share a slot); and bad
     [N], the valid rows whose loss is NaN (an id >= V, or a hard target out of range: what
     an eager call refuses, a traced one can't)."""
@@ -54,7 +56,7 @@ class TopKTeacher(NamedTuple):
     @classmethod
     def build(cls, ids_NK, logprobs_NK, renormalize: bool, dtype, bad_N) -> "TopKTeacher":
         lp = logprobs_NK.astype(dtype)
-        entry = (ids_NK >= 0) & (lp > -jnp.inf)
+        entry = (ids_NK >= 0) & (lp != -jnp.inf)  # a NaN is an entry: its row's loss is NaN, not hidden
         lp = jnp.where(entry, lp, -jnp.inf)
         if renormalize:
             has = entry.any(axis=1, keepdims=True)

@@ -7,26 +7,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_reduction,
                                   check_topk_inputs, teacher_id_out_of_range_message)
 from interop.options import check_strategy, target_out_of_range_message
 from jax_impl.distill_blocked import dense_distillation, plan_distillation, topk_distillation
 from jax_impl.distill_rows import TopKTeacher, valid_rows
-from jax_impl.functional import choose_strategy, platform_of
-from jax_impl.rows import compute_dtype
+from jax_impl.functional import as_array, choose_strategy, dtype_name, maybe_array, platform_of, shape_of
+from jax_impl.rows import compute_dtype, narrow_indices, narrow_targets
+from jax_impl.sharding import on_mesh, row_spec
 
 
-def _name(a):
-    return None if a is None else jnp.dtype(a.dtype).name
-
-
-def _shape(a):
-    return None if a is None else tuple(a.shape)
-
-
-def _maybe(a):
-    return None if a is None else jnp.asarray(a)
+def _rows_out_specs(input, reduction: str):
+    """The output's PartitionSpec under an explicit mesh: the input's rows for "none"."""
+    return lambda: row_spec(input) if reduction == "none" else P()
 
 
 def _num_items(num_items_in_batch, dtype):
@@ -60,7 +55,8 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
     target [...], linear_bias [V], row_mask [...] bool. Differentiable in input,
     linear_weight and linear_bias (`jax.custom_vjp`), usable under `jax.jit`, where a
     teacher id >= V (or, with weight_hard > 0, a target out of range) gives its row a NaN
-    loss instead of the eager call's ValueError.
+    loss instead of the eager call's ValueError. Arrays, meshes and second derivatives as
+    for `jax_impl.linear_cross_entropy`.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -69,36 +65,44 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
                                 weight_hard, reduction, ignore_index, softcap)
     check_strategy(strategy)
     check_reduction(reduction, num_items_in_batch)
-    input, linear_weight, teacher_ids, teacher_logprobs = map(jnp.asarray, (input, linear_weight, teacher_ids, teacher_logprobs))
-    target, linear_bias, row_mask = _maybe(target), _maybe(linear_bias), _maybe(row_mask)
+    input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
+    teacher_ids, teacher_logprobs = as_array("teacher_ids", teacher_ids), as_array("teacher_logprobs", teacher_logprobs)
+    target, linear_bias = maybe_array("target", target), maybe_array("linear_bias", linear_bias)
+    row_mask = maybe_array("row_mask", row_mask)
     shape = check_topk_inputs(
-        input_shape=input.shape, input_dtype=_name(input), weight_shape=linear_weight.shape,
-        weight_dtype=_name(linear_weight), ids_shape=teacher_ids.shape, ids_dtype=_name(teacher_ids),
-        logprobs_shape=teacher_logprobs.shape, logprobs_dtype=_name(teacher_logprobs), target_shape=_shape(target),
-        target_dtype=_name(target), bias_shape=_shape(linear_bias), bias_dtype=_name(linear_bias),
-        row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask), weight_layout=weight_layout,
+        input_shape=input.shape, input_dtype=dtype_name(input), weight_shape=linear_weight.shape,
+        weight_dtype=dtype_name(linear_weight), ids_shape=teacher_ids.shape, ids_dtype=dtype_name(teacher_ids),
+        logprobs_shape=teacher_logprobs.shape, logprobs_dtype=dtype_name(teacher_logprobs), target_shape=shape_of(target),
+        target_dtype=dtype_name(target), bias_shape=shape_of(linear_bias), bias_dtype=dtype_name(linear_bias),
+        row_mask_shape=shape_of(row_mask), row_mask_dtype=dtype_name(row_mask), weight_layout=weight_layout,
         weight_hard=o.weight_hard)
     n, V, K = shape.n_rows, shape.vocab, shape.k
-    ids = teacher_ids.reshape(n, K).astype(jnp.int32)
-    bad_id = ids >= V
-    _raise_if_concrete(bad_id, ids, lambda i: teacher_id_out_of_range_message(i, V))
-    y = None if target is None else target.reshape(n)
-    valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), o.ignore_index)
+    wide_ids = teacher_ids.reshape(n, K)
+    bad_id = wide_ids >= V
+    _raise_if_concrete(bad_id, wide_ids, lambda i: teacher_id_out_of_range_message(i, V))
+    ids = narrow_indices(wide_ids, V, -1, V)  # padding -1, an id >= V stays out of range
+    y, ignore32 = (None, o.ignore_index) if target is None else narrow_targets(target.reshape(n), V, o.ignore_index)
+    valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), ignore32)
     bad = bad_id.any(axis=1)
     y_kernel = jnp.full((n,), -1, jnp.int32)
     if y is not None and o.weight_hard:
         bad_y = valid & ((y < 0) | (y >= V))
-        _raise_if_concrete(bad_y, y, lambda t: target_out_of_range_message(t, V, o.ignore_index))
+        _raise_if_concrete(bad_y, target.reshape(n), lambda t: target_out_of_range_message(t, V, o.ignore_index))
         bad = bad | bad_y
-        y_kernel = jnp.where(valid & ~bad_y, y, -1).astype(jnp.int32)
+        y_kernel = jnp.where(valid & ~bad_y, y, -1)
     wide = compute_dtype(input.dtype)
-    teacher = TopKTeacher.build(ids, teacher_logprobs.reshape(n, K), o.renormalize_teacher, wide, bad & valid)
-    x_ND = input.reshape(n, shape.hidden)
-    platform = platform_of(x_ND)
-    strategy = choose_strategy(strategy, x_ND.dtype, n, shape.hidden, V, platform)
-    cfg = plan_distillation(o, weight_layout, strategy, n, shape.hidden, V, x_ND.dtype, accumulate_in_input_dtype, platform)
-    loss = topk_distillation(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, _num_items(num_items_in_batch, wide), cfg)
-    return loss.reshape(shape.lead_shape) if reduction == "none" else loss
+    platform = platform_of(input)
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, V, platform)
+    cfg = plan_distillation(o, weight_layout, strategy, n, shape.hidden, V, input.dtype, accumulate_in_input_dtype, platform)
+    num_items = _num_items(num_items_in_batch, wide)
+
+    def rows(x, W, b, ids, logprobs, bad, valid, y_kernel, num_items):
+        teacher = TopKTeacher.build(ids, logprobs.reshape(n, K), o.renormalize_teacher, wide, bad & valid)
+        loss = topk_distillation(x.reshape(n, shape.hidden), W, b, teacher, y_kernel, valid, num_items, cfg)
+        return loss.reshape(shape.lead_shape) if reduction == "none" else loss
+
+    args = (input, linear_weight, linear_bias, ids, teacher_logprobs, bad, valid, y_kernel, num_items)
+    return on_mesh(rows, args, _rows_out_specs(input, reduction))
 
 
 def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, target=None, row_mask=None,
@@ -119,23 +123,27 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
     o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
     check_strategy(strategy)
     check_reduction(reduction, num_items_in_batch)
-    input, linear_weight, teacher_input, teacher_weight = map(jnp.asarray, (input, linear_weight, teacher_input, teacher_weight))
-    target, row_mask = _maybe(target), _maybe(row_mask)
+    input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
+    teacher_input, teacher_weight = as_array("teacher_input", teacher_input), as_array("teacher_weight", teacher_weight)
+    target, row_mask = maybe_array("target", target), maybe_array("row_mask", row_mask)
     shape = check_dense_inputs(
-        input_shape=input.shape, input_dtype=_name(input), weight_shape=linear_weight.shape,
-        weight_dtype=_name(linear_weight), teacher_input_shape=teacher_input.shape,
-        teacher_input_dtype=_name(teacher_input), teacher_weight_shape=teacher_weight.shape,
-        teacher_weight_dtype=_name(teacher_weight), target_shape=_shape(target), target_dtype=_name(target),
-        row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask), weight_layout=weight_layout)
+        input_shape=input.shape, input_dtype=dtype_name(input), weight_shape=linear_weight.shape,
+        weight_dtype=dtype_name(linear_weight), teacher_input_shape=teacher_input.shape,
+        teacher_input_dtype=dtype_name(teacher_input), teacher_weight_shape=teacher_weight.shape,
+        teacher_weight_dtype=dtype_name(teacher_weight), target_shape=shape_of(target), target_dtype=dtype_name(target),
+        row_mask_shape=shape_of(row_mask), row_mask_dtype=dtype_name(row_mask), weight_layout=weight_layout)
     n = shape.n_rows
     vocab = min(shape.vocab, shape.teacher_vocab)
-    valid = valid_rows(n, None if target is None else target.reshape(n), None if row_mask is None else row_mask.reshape(n),
-                       o.ignore_index)
-    x_ND = input.reshape(n, shape.hidden)
-    xt_ND = jax.lax.stop_gradient(teacher_input.reshape(n, shape.teacher_hidden))
-    platform = platform_of(x_ND)
-    strategy = choose_strategy(strategy, x_ND.dtype, n, shape.hidden, vocab, platform)
-    cfg = plan_distillation(o, weight_layout, strategy, n, shape.hidden, vocab, x_ND.dtype, accumulate_in_input_dtype, platform)
-    loss = dense_distillation(x_ND, linear_weight, xt_ND, jax.lax.stop_gradient(teacher_weight), valid,
-                              _num_items(num_items_in_batch, compute_dtype(input.dtype)), cfg)
-    return loss.reshape(shape.lead_shape) if reduction == "none" else loss
+    y, ignore32 = (None, o.ignore_index) if target is None else narrow_targets(target.reshape(n), vocab, o.ignore_index)
+    valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), ignore32)
+    platform = platform_of(input)
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, vocab, platform)
+    cfg = plan_distillation(o, weight_layout, strategy, n, shape.hidden, vocab, input.dtype, accumulate_in_input_dtype, platform)
+
+    def rows(x, W, xt, Wt, valid, num_items):
+        xt_ND = jax.lax.stop_gradient(xt.reshape(n, shape.teacher_hidden))
+        loss = dense_distillation(x.reshape(n, shape.hidden), W, xt_ND, jax.lax.stop_gradient(Wt), valid, num_items, cfg)
+        return loss.reshape(shape.lead_shape) if reduction == "none" else loss
+
+    args = (input, linear_weight, teacher_input, teacher_weight, valid, _num_items(num_items_in_batch, compute_dtype(input.dtype)))
+    return on_mesh(rows, args, _rows_out_specs(input, reduction))

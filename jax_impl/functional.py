@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from interop.blocking import speed_extra_bytes
 from interop.options import CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
 from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy
+from jax_impl.rows import narrow_targets
+from jax_impl.sharding import on_mesh, row_spec
 
 try:
     from jax_impl import blocked, kernels
@@ -16,8 +21,33 @@ except ImportError:  # no Pallas: the chunked path serves every call
     blocked = kernels = None
 
 
-def _dtype_name(a) -> str:
-    return jnp.dtype(a.dtype).name
+def dtype_name(a) -> str | None:
+    """The dtype's name as interop's checks take it ("bfloat16", "int64"); None for None."""
+    return None if a is None else jnp.dtype(a.dtype).name
+
+
+def shape_of(a) -> tuple | None:
+    """The shape as a tuple; None for None (an argument not given)."""
+    return None if a is None else tuple(a.shape)
+
+
+def as_array(name: str, value):
+    """`value` as a JAX array, where it is a JAX or NumPy array (or NumPy scalar) of
+    numbers; anything else (a list, a string, a Python number, whose dtype would be a
+    guess) raises TypeError naming the argument."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        try:
+            return jnp.asarray(value)
+        except TypeError:  # not numbers (strings, objects)
+            pass
+    dtype = getattr(value, "dtype", None)
+    got = type(value).__name__ + ("" if dtype is None else f" of dtype {dtype}")
+    raise TypeError(f"{name} must be a JAX or NumPy array of numbers, got {got}")
+
+
+def maybe_array(name: str, value):
+    """`as_array` for an optional argument (None stays None)."""
+    return None if value is None else as_array(name, value)
 
 
 def _check_target_range(y_N, vocab: int, ignore_index: int) -> None:
@@ -44,8 +74,10 @@ def platform_of(x) -> str:
 
 def choose_strategy(strategy: str, dtype, n_rows: int, hidden: int, vocab: int, platform: str) -> str:
     """Resolve "auto" and route to "chunked" where the Pallas kernels can't run (not on a
-    GPU unless LOGITLESS_PALLAS_INTERPRET=1, or fp64)."""
-    if strategy == "chunked" or kernels is None or not kernels.kernels_can_run(platform) or jnp.dtype(dtype) == jnp.float64:
+    GPU unless LOGITLESS_PALLAS_INTERPRET=1, fp64, or a hidden size of 0: the kernels' blocks
+    of x and W would have no columns; XLA's products of [N, 0] by [0, V] are zeros)."""
+    if (strategy == "chunked" or kernels is None or not kernels.kernels_can_run(platform)
+            or jnp.dtype(dtype) == jnp.float64 or hidden == 0):
         return "chunked"
     if strategy != "auto":
         return strategy
@@ -79,7 +111,10 @@ def linear_cross_entropy(
 
     The same options, defaults and semantics as `torch_impl.linear_cross_entropy`
     (interop/SPEC.md). Differentiable with `jax.grad` / `jax.value_and_grad` (a
-    `jax.custom_vjp`), usable under `jax.jit`.
+    `jax.custom_vjp`; twice, e.g. `jax.hessian`, with strategy="chunked" only: the
+    kernels' strategies raise NotImplementedError), usable under `jax.jit`, under a mesh
+    of Explicit axes and inside `jax.shard_map` (`jax_impl.sharding`). The array
+    arguments are JAX or NumPy arrays; anything else raises TypeError naming it.
 
     Args:
         input: [..., D] bf16/fp16/fp32(/fp64 with x64) hidden states.
@@ -104,38 +139,39 @@ def linear_cross_entropy(
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
     check_strategy(strategy)
     check_filter_eps(filter_eps)
-    input, linear_weight, target = jnp.asarray(input), jnp.asarray(linear_weight), jnp.asarray(target)
+    input, linear_weight, target = as_array("input", input), as_array("linear_weight", linear_weight), as_array("target", target)
+    linear_bias, weight = maybe_array("linear_bias", linear_bias), maybe_array("weight", weight)
     shape = check_inputs(
         input_shape=input.shape,
-        input_dtype=_dtype_name(input),
+        input_dtype=dtype_name(input),
         weight_shape=linear_weight.shape,
-        weight_dtype=_dtype_name(linear_weight),
+        weight_dtype=dtype_name(linear_weight),
         target_shape=target.shape,
-        target_dtype=_dtype_name(target),
-        bias_shape=None if linear_bias is None else jnp.shape(linear_bias),
-        bias_dtype=None if linear_bias is None else _dtype_name(jnp.asarray(linear_bias)),
-        class_weight_shape=None if weight is None else jnp.shape(weight),
-        class_weight_dtype=None if weight is None else _dtype_name(jnp.asarray(weight)),
+        target_dtype=dtype_name(target),
+        bias_shape=shape_of(linear_bias),
+        bias_dtype=dtype_name(linear_bias),
+        class_weight_shape=shape_of(weight),
+        class_weight_dtype=dtype_name(weight),
         weight_layout=weight_layout,
     )
-    x_ND = input.reshape(shape.n_rows, shape.hidden)
-    y_N = target.reshape(shape.n_rows)
-    _check_target_range(y_N, shape.vocab, opts.ignore_index)
-    platform = platform_of(x_ND)
-    strategy = choose_strategy(strategy, x_ND.dtype, shape.n_rows, shape.hidden, shape.vocab, platform)
+    n, lead = shape.n_rows, shape.lead_shape
+    _check_target_range(target, shape.vocab, opts.ignore_index)
+    y, ignore32 = narrow_targets(target, shape.vocab, opts.ignore_index)
+    opts = dataclasses.replace(opts, ignore_index=ignore32)
+    platform = platform_of(input)
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, shape.vocab, platform)
     if strategy == "chunked":
-        cfg = ChunkedConfig(
-            opts, weight_layout, default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype
-        )
-        loss, lse_N = chunked_linear_cross_entropy(x_ND, linear_weight, linear_bias, weight, y_N, cfg)
+        cfg = ChunkedConfig(opts, weight_layout, default_chunk_rows(n, shape.hidden, shape.vocab), accumulate_in_input_dtype)
+        run = chunked_linear_cross_entropy
     else:
-        cfg = blocked.plan(opts, weight_layout, strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype,
+        cfg = blocked.plan(opts, weight_layout, strategy, n, shape.hidden, shape.vocab, input.dtype,
                            accumulate_in_input_dtype, return_lse, platform)
-        loss, lse_N = blocked.blocked_linear_cross_entropy(
-            x_ND, linear_weight, linear_bias, weight, y_N.astype(jnp.int32), cfg
-        )
-    if opts.reduction == "none":
-        loss = loss.reshape(shape.lead_shape)
-    if return_lse:
-        return loss, lse_N.reshape(shape.lead_shape)
-    return loss
+        run = blocked.blocked_linear_cross_entropy
+
+    def rows(x, W, y, b, cw):
+        loss, lse_N = run(x.reshape(n, shape.hidden), W, b, cw, y.reshape(n), cfg)
+        return (loss.reshape(lead) if opts.reduction == "none" else loss), lse_N.reshape(lead)
+
+    out_specs = lambda: (row_spec(input) if opts.reduction == "none" else P(), row_spec(input))
+    loss, lse = on_mesh(rows, (input, linear_weight, y, linear_bias, weight), out_specs)
+    return (loss, lse) if return_lse else loss

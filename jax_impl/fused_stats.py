@@ -7,9 +7,12 @@ target's logit and, with label smoothing, the class-weighted sum of the logits: 
 block, no copy of W's column slices, no second pass over the logits (H100, bf16, the
 statistics of G's 7373 rows not ignored: 16.2 ms, 538 TFLOP/s, where XLA's product alone
 runs at ~800; the forward-only call 16.2 ms against 21.2 with XLA's products into blocks
-of 2816 x 6016 and `kernels.block_stats`). The logits are taken in fp32 from the
-product, not rounded to the input dtype first. Triton lowering of `pallas_call`, as
-`jax_impl.kernels`.
+of 2816 x 6016 and `kernels.block_stats`). Each fp32 tile of logits is rounded to the
+input dtype before it enters the statistics: the backward pass recomputes the logits in
+that dtype (XLA's products, `row_products.logits`), and p = exp(s - lse) from those sums
+to 1 only if lse comes from the same values (fp32 statistics against bf16 logits make the
+gradient's error grow with the logits' scale: 21 times naive bf16's at |z| ~ 300).
+Triton lowering of `pallas_call`, as `jax_impl.kernels`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jax_impl.kernels import tanh
+from jax_impl.kernels import max_keep_nan, pallas, reduce_max_keep_nan
 
 BM, BN = 128, 256  # rows, vocabulary columns of a logits tile
 K_BYTES = 128  # bytes of the hidden dimension per step of the product (64 16-bit values, 32 fp32)
@@ -66,12 +69,13 @@ def _kernel(n_ref, x_ref, w_ref, *refs, N, V, D, bk, split, vd, cap, has_bias, h
                 return acc + jax.lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32)
 
             z = jax.lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(D, bk)), step, jnp.zeros((BM, BN), jnp.float32))
+            z = z.astype(x_ref.dtype).astype(jnp.float32)  # the logits the backward pass recomputes
             if b_ref is not None:
                 z = z + plt.load(b_ref.at[pl.ds(start, BN)], mask=col_mask, other=0.0).astype(jnp.float32)[None, :]
             if cap is not None:
-                z = cap * tanh(z / cap)
+                z = cap * jnp.tanh(z / cap)
             z_in = jnp.where(col_mask[None, :], z, ninf)
-            m_new = jnp.maximum(m, jnp.max(z_in, axis=1))
+            m_new = max_keep_nan(m, reduce_max_keep_nan(z_in, axis=1))
             l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z_in - m_new[:, None]), axis=1)
             sy = sy + jnp.sum(jnp.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
             if need_ws:
@@ -92,7 +96,7 @@ def row_stats(x_ND, W, b_V, cw_V, y_N, n_rows, weight_layout: str, softcap, need
     n_rows rows (an int32 scalar, may be traced); the other rows get 0. W is [V, D]
     ("VD") or [D, V] ("DV"); y [N] int32 targets in [0, V) (s_y = s[y]); ws = sum_j cw_j
     s_j (cw = 1 without class weights), 0 unless need_ws. x and W: bf16, fp16 or fp32
-    (fp32 products in full fp32)."""
+    (fp32 products in full fp32); x W^T is rounded to x's dtype, as the backward pass's."""
     N, D = x_ND.shape
     V = W.shape[0] if weight_layout == "VD" else W.shape[1]
     if N == 0:
@@ -106,7 +110,7 @@ def row_stats(x_ND, W, b_V, cw_V, y_N, n_rows, weight_layout: str, softcap, need
                                has_cw=cw_V is not None, need_ws=need_ws)
     n = jnp.asarray(n_rows, jnp.int32).reshape(1)
     extras = [a for a in (b_V, cw_V) if a is not None]
-    m, l, s_y, ws = pl.pallas_call(
+    m, l, s_y, ws = pallas(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((splits, N), jnp.float32)] * 4,
         grid=(row_tiles, splits),

@@ -12,6 +12,13 @@ One program per row, looping over its columns. Both use the Triton lowering of
 `pallas_call` (masked loads over a vocabulary that is no power of two), which exists in
 JAX 0.10 and 0.11; JAX 0.11 deprecates it in favour of Mosaic GPU, and the warning it
 emits at lowering is silenced here: it concerns this library, not its users.
+
+Every Pallas call of `jax_impl` goes through `pallas`: its outputs typed for shard_map
+(`jax_impl.sharding.struct`), and a derivative that refuses clearly (the kernels have none:
+the losses' gradients are custom_vjp rules). Every running maximum of the online
+logsumexp is `max_keep_nan` / `reduce_max_keep_nan`: the Triton lowering of `jnp.maximum`
+and `jnp.max` is maxnum, which drops a NaN (interpret mode keeps it), and a NaN logit must
+make its row's lse NaN on the GPU as on the CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jax_impl.sharding import struct, vary, varying_axes
+
 BLOCK_C = 2048
 TRITON_PARAMS = dict(num_warps=8, num_stages=1)  # the row kernels' launch parameters
 
@@ -36,17 +45,83 @@ def kernels_can_run(platform: str) -> bool:
     return platform == "gpu" or os.environ.get("LOGITLESS_PALLAS_INTERPRET") == "1"
 
 
-def tanh(u):
-    """tanh from exp (fp32), for the kernels' softcap."""
-    return 1.0 - 2.0 / (jnp.exp(2.0 * u) + 1.0)
+SECOND_ORDER_MESSAGE = (
+    "strategy='speed' and strategy='memory' run Pallas kernels, which have no derivatives: their gradient (a "
+    "jax.custom_vjp rule) can't be differentiated again, so second derivatives (jax.hessian, or jax.jvp / jax.grad "
+    "of the gradient) are not supported; strategy='chunked' supports them (its custom_vjp rule is plain XLA, which "
+    "JAX differentiates)"
+)
+
+
+def _no_derivative(primals, tangents):
+    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+
+
+def pallas(kernel, out_shape, **params):
+    """pl.pallas_call(kernel, out_shape=out_shape, **params) as a function of its operands
+    (arrays only), with out_shape's structs (a ShapeDtypeStruct or a list of them) varying
+    over the shard_map axes its operands vary over, and a derivative that raises
+    NotImplementedError naming the strategy that supports second derivatives, in place of
+    Pallas' bare errors (forward-mode differentiation reaches a kernel only when a gradient
+    is differentiated)."""
+
+    def run(*operands):
+        axes = varying_axes(*operands)
+        typed = jax.tree.map(lambda s: struct(s.shape, s.dtype, axes), out_shape)
+        return pl.pallas_call(kernel, out_shape=typed, **params)(*operands)
+
+    def call(*operands):
+        axes = varying_axes(*operands)
+        if axes and params.get("interpret"):
+            return _interpret_varying(run, operands, axes)
+        return run(*operands)
+
+    call = jax.custom_jvp(call)
+    call.defjvp(_no_derivative)
+    return call
+
+
+def _interpret_varying(run, operands, axes: frozenset):
+    """run(*operands) in interpret mode for operands that vary over shard_map's `axes`:
+    Pallas' interpreter mixes them with constants that don't vary (padding, its loop's
+    carry), which check_vma refuses ("Primitive pad requires varying manual axes to
+    match"). So every device's operands are gathered into values that vary over no axis
+    (a psum of each device's operands in its own slot), the kernel runs on each device's
+    (vmap), and each device keeps its own outputs. Only tests interpret kernels; the
+    Triton lowering takes the operands as they are."""
+    axes = tuple(sorted(axes))
+    mine = jax.lax.axis_index(axes)
+    devices = jax.lax.psum(1, axes)
+
+    def gather(a):
+        return jax.lax.psum(jnp.zeros((devices,) + a.shape, a.dtype).at[mine].set(a), axes)
+
+    outputs = jax.vmap(run)(*map(gather, vary(operands, frozenset(axes))))
+    return jax.tree.map(lambda o: o[mine], outputs)
+
+
+def max_keep_nan(a, b):
+    """Elementwise max of a and b, NaN where either is NaN, in the Triton lowering (whose
+    max is maxnum: NaN only if both are) and in interpret mode alike."""
+    return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.nan, jnp.maximum(a, b))
+
+
+def reduce_max_keep_nan(v, axis=None):
+    """jnp.max(v, axis), NaN where the reduced values hold a NaN: Triton's max reduction is
+    maxnum too, so the NaNs are added on, a sum every lowering propagates."""
+    return jnp.max(v, axis=axis) + jnp.sum(jnp.where(jnp.isnan(v), v, 0.0), axis=axis)
 
 
 def _capped(z_ref, b_ref, row, v0, start, block, mask, cap):
+    """softcap(z + b), fp32 [block], of a row's columns start..start+block. jnp.tanh: the
+    Triton lowering calls libdevice's tanhf (as jnp.exp its expf), accurate for any
+    u = z / c, where 1 - 2 / (exp(2u) + 1) loses a small u's digits (every capped logit is
+    0 at c = 1e30)."""
     s = plt.load(z_ref.at[row, pl.ds(start, block)], mask=mask, other=0.0).astype(jnp.float32)
     if b_ref is not None:
         s = s + plt.load(b_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
     if cap is not None:
-        s = cap * tanh(s / cap)
+        s = cap * jnp.tanh(s / cap)
     return s
 
 
@@ -81,7 +156,7 @@ def _stats_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, need_ws
         mask = offs < C
         s = _capped(z_ref, b_ref, row, v0, start, block, mask, cap)
         s_in = jnp.where(mask, s * scale, ninf)
-        m_new = jnp.maximum(m_vec, s_in)
+        m_new = max_keep_nan(m_vec, s_in)
         m_safe = jnp.where(m_new == ninf, 0.0, m_new)
         l_vec = l_vec * jnp.exp(m_vec - m_safe) + jnp.exp(s_in - m_safe)
         sy_vec = sy_vec + jnp.where(offs == y, s, 0.0)
@@ -95,7 +170,7 @@ def _stats_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, need_ws
     init = (jnp.full((block,), ninf), zeros, zeros, zeros)
     m_vec, l_vec, sy_vec, ws_vec = column_loop(C, block, body, init)
     m_old = _load_scalar(m_in, row)
-    m = jnp.maximum(m_old, jnp.max(m_vec))
+    m = max_keep_nan(m_old, reduce_max_keep_nan(m_vec))
     m_safe = jnp.where(m == ninf, 0.0, m)
     l_blk = jnp.sum(jnp.where(m_vec == ninf, 0.0, l_vec * jnp.exp(m_vec - m_safe)))
     _store_scalar(l_out, row, _load_scalar(l_in, row) * jnp.exp(m_old - m_safe) + l_blk)
@@ -159,7 +234,7 @@ def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool, interpr
                                need_ws=need_ws, block=_block(C))
     args = [v0, z_RC, *_extras(b_V, cw_V), y_R, *stats]
     first_stat = len(args) - 4
-    return pl.pallas_call(
+    return pallas(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((R,), jnp.float32)] * 4,
         grid=(R,),
@@ -178,7 +253,7 @@ def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, interpre
     kernel = functools.partial(_grad_kernel, C=C, cap=softcap, scale=float(scale), has_bias=b_V is not None,
                                has_cw=cw_V is not None, has_p2=second is not None, block=_block(C))
     p2_R, lse2_R = (lse_R, lse_R) if second is None else second
-    return pl.pallas_call(
+    return pallas(
         kernel,
         out_shape=jax.ShapeDtypeStruct((R, C), z_RC.dtype),
         grid=(R,),

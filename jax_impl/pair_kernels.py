@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jax_impl.kernels import TRITON_PARAMS, _block, _load_scalar, _store_scalar, column_loop
+from jax_impl.kernels import TRITON_PARAMS, _block, _load_scalar, _store_scalar, column_loop, max_keep_nan, pallas
 
 
 def _log_probs(s_ref, t_ref, row, start, block, mask, inv_t, lse_s, lse_t):
@@ -30,7 +30,7 @@ def _log_probs(s_ref, t_ref, row, start, block, mask, inv_t, lse_s, lse_t):
 
 def _log_mix(lq, lp, beta):
     a, b = lp + math.log(beta), lq + math.log1p(-beta)
-    m = jnp.maximum(a, b)
+    m = max_keep_nan(a, b)
     return m + jnp.log(jnp.exp(a - m) + jnp.exp(b - m))
 
 
@@ -85,7 +85,7 @@ def pair_sums(s_RC, t_RC, lse_s_R, lse_t_R, sums, divergence: str, temperature: 
     R, C = s_RC.shape
     kernel = functools.partial(_sums_kernel, C=C, inv_t=1.0 / temperature, beta=beta, divergence=divergence,
                                block=_block(C))
-    return pl.pallas_call(
+    return pallas(
         kernel, out_shape=[jax.ShapeDtypeStruct((R,), jnp.float32)] * 2, grid=(R,),
         input_output_aliases={4: 0, 5: 1}, interpret=interpret, compiler_params=plt.CompilerParams(**TRITON_PARAMS),
     )(s_RC, t_RC, lse_s_R, lse_t_R, *sums)
@@ -96,7 +96,7 @@ def pair_grad(s_RC, t_RC, lse_s_R, lse_t_R, b_R, coef_R, divergence: str, temper
     R, C = s_RC.shape
     kernel = functools.partial(_grad_kernel, C=C, inv_t=1.0 / temperature, beta=beta, divergence=divergence,
                                block=_block(C))
-    return pl.pallas_call(
+    return pallas(
         kernel, out_shape=jax.ShapeDtypeStruct((R, C), s_RC.dtype), grid=(R,),
         input_output_aliases={0: 0}, interpret=interpret, compiler_params=plt.CompilerParams(**TRITON_PARAMS),
     )(s_RC, t_RC, lse_s_R, lse_t_R, b_R, coef_R)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jax_impl.kernels import v0_array
+from jax_impl.kernels import pallas, v0_array
 
 # (output tile rows, output tile columns, K step in bytes of one operand row, warps, stages)
 LOGITS_TILE = (128, 256, 128, 8, 4)  # [rows, classes]
@@ -87,7 +87,7 @@ def _tile(edge: int, dim: int) -> int:
 
 def _call(kernel, tile, grid, out_shape, interpret: bool, **kw):
     params = plt.CompilerParams(num_warps=tile[3], num_stages=tile[4])
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret, compiler_params=params, **kw)
+    return pallas(kernel, out_shape=out_shape, grid=grid, interpret=interpret, compiler_params=params, **kw)
 
 
 def _times_weight_kernel(v0_ref, a_ref, w_ref, *refs, R, K, M, vd, to_classes, bm, bn, bk):

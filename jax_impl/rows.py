@@ -9,13 +9,50 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from interop.options import CrossEntropyOptions
+from jax_impl.sharding import vary_like
+
+_INT32 = np.iinfo(np.int32)
 
 
 def compute_dtype(dtype) -> jnp.dtype:
     """fp32 for 16- and 32-bit inputs, fp64 for fp64."""
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def equals(y, value: int):
+    """bool: y == value for integer y, False everywhere when y's dtype can't hold `value`
+    (an ignore_index of 2**40 and int32 targets: JAX raises OverflowError, or with x64 on
+    wraps 2**40 to 0 and matches class 0)."""
+    info = jnp.iinfo(y.dtype)
+    if not info.min <= value <= info.max:
+        return jnp.zeros(y.shape, bool)
+    return y == value
+
+
+def narrow_indices(y, vocab: int, below: int, above: int):
+    """int32 indices (as the kernels take) of integer y of any width: y where 0 <= y < V,
+    `below` where y < 0, `above` where y >= V. Compared in y's own dtype (widened to int32
+    if narrower, so that 0 and V fit), before any narrowing: an int64 2**32 - 100 must not
+    wrap to -100, nor 2**32 + 5 to class 5."""
+    if jnp.dtype(y.dtype).itemsize < 4:
+        y = y.astype(jnp.int32)
+    inside = (y >= 0) & (y < vocab)
+    y32 = jnp.where(inside, y, 0).astype(jnp.int32)
+    return jnp.where(inside, y32, jnp.where(y < 0, below, above).astype(jnp.int32))
+
+
+def narrow_targets(y, vocab: int, ignore_index: int):
+    """(int32 targets, int32 ignore_index) meaning what (y, ignore_index) mean: classes kept,
+    ignored rows marked by ignore_index (-2 in its place where int32 can't hold it), any
+    other target outside [0, V) by -1 (-2 if ignore_index is -1): out of range, and never
+    taken for ignore_index."""
+    ignore32 = ignore_index if _INT32.min <= ignore_index <= _INT32.max else -2
+    bad32 = -2 if ignore32 == -1 else -1
+    y32 = narrow_indices(y, vocab, bad32, bad32)
+    return jnp.where(equals(y, ignore_index), jnp.int32(ignore32), y32), ignore32
 
 
 @dataclasses.dataclass
@@ -114,7 +151,7 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     def blocks(state, first, count, size):  # `count` blocks of `size` rows from row `first`
         return jax.lax.fori_loop(0, count, lambda i, st: step(first + i * size, size, st), state)
 
-    state = (carry, outs)
+    state = vary_like((carry, outs), per_row, carry)  # shard_map: the carry's type as row_step's
     if keep is None:
         if n_full:  # (no rows: no loop)
             state = blocks(state, 0, n_full, block_rows)
