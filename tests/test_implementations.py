@@ -6,10 +6,11 @@ run the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set by conft
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.frameworks import (CASES, DTYPES, JaxAdapter, TorchAdapter, cpu_implementations, make_problem, reference, rel_err, seed_of,
+from tests.frameworks import (_NUMPY_DTYPE, CASES, DTYPES, JaxAdapter, TorchAdapter, cpu_implementations, make_problem, reference, rel_err, round_to, seed_of,
                               tolerance, upstream_grads)
 
 IMPLEMENTATIONS = cpu_implementations()
@@ -523,8 +524,9 @@ def test_fused_row_stats_match_float64(monkeypatch, case, dtype, layout):
     """`fused_stats.row_stats` against float64 on the same (rounded) inputs: 300 rows (3 row
     tiles, the first 257 computed), D = 100 (a partial step of the product), V = 1100 in 2
     vocabulary splits of 3 and 2 tiles, the last partial. It works in fp32 from exact
-    inputs: each logit is within 4 D eps32 sum_k |x_k w_k| (+ 8 eps32 cap through the
-    softcap) of float64's, and its sums over V add V eps32 of their terms' magnitude."""
+    inputs: each product is within 4 D eps32 sum_k |x_k w_k| of float64's, then rounded to
+    the input dtype (one ulp of it where fp32's error moves the rounding), + 8 eps32 cap
+    through the softcap; its sums over V add V eps32 of their terms' magnitude."""
     import jax.numpy as jnp
 
     import jax_impl.fused_stats as fused
@@ -541,9 +543,13 @@ def test_fused_row_stats_match_float64(monkeypatch, case, dtype, layout):
     stats = fused.row_stats(x, W if layout == "VD" else W.T, b, cw, jnp.asarray(y), n, layout, cap, need_ws, True)
 
     x64, W64 = np.asarray(x, np.float64), np.asarray(W, np.float64)
-    z = x64 @ W64.T + (0 if b is None else np.asarray(b, np.float64))
     eps = np.finfo(np.float32).eps
     z_tol = 4 * D * eps * (np.abs(x64) @ np.abs(W64).T + 1)
+    z = x64 @ W64.T
+    if dtype != "float32":  # the product is rounded to the input dtype, as the backward pass's logits
+        z_tol = z_tol + float(ml_dtypes.finfo(_NUMPY_DTYPE[dtype]).eps) * np.abs(z)  # fp32's error may move one rounding
+        z = round_to(z, dtype).astype(np.float64)
+    z = z + (0 if b is None else np.asarray(b, np.float64))
     if cap is not None:
         z, z_tol = cap * np.tanh(z / cap), z_tol + 8 * eps * cap
     cw64 = np.ones(V) if cw is None else np.asarray(cw, np.float64)
