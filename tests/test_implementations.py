@@ -163,6 +163,17 @@ def test_torch_module_matches_function():
     assert "softcap=3.0" in repr(module)
 
 
+def test_torch_module_takes_every_option_of_the_function():
+    import inspect
+
+    import torch_impl
+
+    function = set(inspect.signature(torch_impl.linear_cross_entropy).parameters) - {"input", "linear_weight", "target", "linear_bias"}
+    module = set(inspect.signature(torch_impl.LinearCrossEntropyLoss).parameters)
+    assert function <= module, f"missing from LinearCrossEntropyLoss: {sorted(function - module)}"
+    assert "strategy='memory'" in repr(torch_impl.LinearCrossEntropyLoss(strategy="memory", filter_eps=2**-12))
+
+
 def test_block_rules_split_these_problems(small_chunks):
     """The cases above run over several chunks / blocks, the last ones partial."""
     import torch

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from interop.options import CrossEntropyOptions
+from interop.options import CrossEntropyOptions, check_filter_eps, check_strategy
 from torch_impl.functional import linear_cross_entropy
 
 
 class LinearCrossEntropyLoss(nn.Module):
-    """Holds the options (and class weights) like ``nn.CrossEntropyLoss``.
+    """Holds the options (and class weights) like ``nn.CrossEntropyLoss``: every keyword of
+    `torch_impl.linear_cross_entropy`.
 
     ``forward(input [..., D], linear_weight [V, D] or [D, V], target [...], linear_bias=None)``
     returns what `torch_impl.linear_cross_entropy` returns with these options.
@@ -27,12 +28,18 @@ class LinearCrossEntropyLoss(nn.Module):
         softcap: float | None = None,
         return_lse: bool = False,
         weight_layout: str = "VD",
+        strategy: str = "auto",
+        accumulate_in_input_dtype: bool = False,
+        filter_eps: float | None = None,
     ):
         super().__init__()
         self.options = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
         self.register_buffer("weight", weight)
         self.return_lse = return_lse
         self.weight_layout = weight_layout
+        self.strategy = check_strategy(strategy)
+        self.accumulate_in_input_dtype = accumulate_in_input_dtype
+        self.filter_eps = check_filter_eps(filter_eps)
 
     def forward(self, input, linear_weight, target, linear_bias=None):
         o = self.options
@@ -40,9 +47,12 @@ class LinearCrossEntropyLoss(nn.Module):
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=o.reduction, ignore_index=o.ignore_index, label_smoothing=o.label_smoothing,
             z_loss=o.z_loss, softcap=o.softcap, return_lse=self.return_lse, weight_layout=self.weight_layout,
+            strategy=self.strategy, accumulate_in_input_dtype=self.accumulate_in_input_dtype, filter_eps=self.filter_eps,
         )
 
     def extra_repr(self) -> str:
         o = self.options
         return (f"reduction={o.reduction!r}, ignore_index={o.ignore_index}, label_smoothing={o.label_smoothing}, "
-                f"z_loss={o.z_loss}, softcap={o.softcap}, return_lse={self.return_lse}, weight_layout={self.weight_layout!r}")
+                f"z_loss={o.z_loss}, softcap={o.softcap}, return_lse={self.return_lse}, weight_layout={self.weight_layout!r}, "
+                f"strategy={self.strategy!r}, accumulate_in_input_dtype={self.accumulate_in_input_dtype}, "
+                f"filter_eps={self.filter_eps}")
