@@ -41,6 +41,21 @@ def _as_jax(t):
     return to_jax(t.detach(), copy=None)
 
 
+def _int32_targets(target, vocab: int, ignore_index):
+    """target as int32 for JAX without x64, with -100 as its ignore_index: a bad target
+    raises here, as the native call would, instead of wrapping into a class."""
+    import torch
+
+    from interop.options import target_out_of_range_message
+
+    ignore_index = -100 if ignore_index is None else ignore_index
+    y = target.to(torch.int64)
+    bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
+    if bool(bad.any()):
+        raise ValueError(target_out_of_range_message(int(y[bad][0]), vocab, ignore_index))
+    return torch.where(y == ignore_index, -100, y).to(torch.int32)
+
+
 def jax_loss_in_torch(input, linear_weight, target, *, linear_bias=None, weight=None, return_lse=False, **options):
     """`jax_impl.linear_cross_entropy` on torch tensors; differentiable in torch with respect
     to ``input``, ``linear_weight`` and ``linear_bias`` (see the module's docstring)."""
@@ -56,11 +71,13 @@ def jax_loss_in_torch(input, linear_weight, target, *, linear_bias=None, weight=
             import jax
 
             with _x64_mode(float64):
-                y = _as_jax(target.to(torch.int32))
+                vocab = W.shape[0] if options.get("weight_layout", "VD") == "VD" else W.shape[1]
+                y = _as_jax(_int32_targets(target, vocab, options.get("ignore_index", -100)))
                 w = None if weight is None else _as_jax(weight)
                 # Under jax.vjp the inputs are tracers, and JAX would pick its default backend's
                 # path; CPU tensors (also on a GPU host) take the chunked path, which runs anywhere.
-                opts = options if x.is_cuda else {**options, "strategy": "chunked"}
+                opts = {**options, "ignore_index": -100}  # _int32_targets' ignored rows
+                opts = opts if x.is_cuda else {**opts, "strategy": "chunked"}
 
                 def loss(x, W, b):
                     return jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=w, return_lse=return_lse, **opts)

@@ -71,7 +71,9 @@ def to_jax(tensor, *, copy: bool | None = False):
         tensor = tensor.contiguous()
     try:
         return jax.dlpack.from_dlpack(tensor, copy=copy)
-    except ValueError as e:  # copy=False and an address XLA can't alias
+    except ValueError as e:
+        if copy is not False:  # a copy was allowed: the error is not about aliasing
+            raise
         raise ValueError(f"to_jax: JAX can't alias this tensor's data at 0x{tensor.data_ptr():x}: XLA needs "
                          "64-byte-aligned memory on the CPU, which a view that starts inside its storage (here at "
                          f"element {tensor.storage_offset()}, e.g. t[1:]) or memory that torch did not allocate (e.g. "

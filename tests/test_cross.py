@@ -166,3 +166,20 @@ def test_jax_loss_called_from_torch_copies_a_view_jax_cannot_alias():
     rows = torch.from_numpy(np.concatenate([p.x[:1], p.x]))
     W, y = torch.from_numpy(p.W), torch.from_numpy(p.y).int()
     assert torch.equal(jax_loss_in_torch(rows[1:], W, y), jax_loss_in_torch(rows[1:].clone(), W, y))
+
+
+def test_jax_loss_called_from_torch_keeps_wide_and_ignored_targets():
+    """int64 targets cross to JAX's int32 without wrapping: 2**32 + 5 is refused as out of
+    range (not read as class 5), and a custom ignore_index still ignores its rows."""
+    import torch
+
+    import torch_impl
+    from interop.cross import jax_loss_in_torch
+
+    x, W = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match="4294967301"):
+        jax_loss_in_torch(x, W, torch.tensor([1, 2**32 + 5, 3, 4]))
+    y = torch.tensor([1, 3, 3, 4])
+    got = jax_loss_in_torch(x, W, y, ignore_index=3)
+    want = torch_impl.linear_cross_entropy(x, W, y, ignore_index=3)
+    assert torch.allclose(got, want, rtol=1e-5)

@@ -264,3 +264,21 @@ def test_torch_second_order_derivatives(strategy):
     (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(x64 @ W.T, y), x64, create_graph=True)
     (hv64,) = torch.autograd.grad(g64.sum(), x64)
     assert rel_err(hv.numpy(), hv64.numpy()) <= tolerance("float32")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_torch_softcap_saturated_on_cuda(strategy):
+    """|z| / c from 30 to 60, where exp(-2|z| / c) is an fp32 subnormal: the GPU's capped
+    logits stay within the cap and match float64 (the CPU's interpreter computes with numpy
+    and cannot show this)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    p = make_problem(26, lead=(64,), hidden=32, vocab=300, dtype="float32", bias=True, logit_scale=300.0)
+    options = dict(softcap=5.0, reduction="none")
+    result = TorchAdapter(strategy, "cuda").run(p, options, np.ones(p.y.shape), np.ones(p.y.shape))
+    ref = reference(p, options, np.ones(p.y.shape), np.ones(p.y.shape))
+    for key, r in (("loss", ref.loss), ("lse", ref.lse), ("grad_x", ref.grad_input)):
+        assert rel_err(result[key], r) <= 1e-5, f"{key}: {rel_err(result[key], r):.3g}"

@@ -35,10 +35,12 @@ def first_order_only(ctx, backward, *grad_outputs, message: str = SECOND_ORDER_M
     written in place), its gradients (tensors or None) tied under create_graph=True to the
     inputs that need a gradient through SecondOrderUnsupported: they would otherwise look
     constant to a second differentiation."""
+    if not torch.is_grad_enabled():  # the usual backward: no saved tensor is unpacked here
+        return backward(ctx, *grad_outputs)
     with torch.no_grad():
         grads = backward(ctx, *grad_outputs)
     anchors = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
-    if not torch.is_grad_enabled() or not anchors:
+    if not anchors:
         return grads
     tied = iter(SecondOrderUnsupported.apply(message, len(anchors), *anchors, *(g for g in grads if g is not None)))
     return tuple(None if g is None else next(tied) for g in grads)
@@ -52,7 +54,8 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
     "speed" plan computes the gradients in the forward pass and the first backward pass
     scales them by the upstream gradient (in place) and hands them over; a later backward
     through the same graph (``retain_graph=True``) recomputes, as every backward pass of the
-    other plans does. `check` is the call's TargetCheck over all of y: the caller asks it
+    other plans does: so the inputs are saved on every plan (x [N, D] stays alive until the
+    backward pass, as a linear layer's input does). `check` is the call's TargetCheck over all of y: the caller asks it
     for bad targets after the forward pass is queued.
 
     The backward pass is not itself differentiable: under ``create_graph=True`` its
