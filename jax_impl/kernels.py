@@ -112,17 +112,28 @@ def reduce_max_keep_nan(v, axis=None):
     return jnp.max(v, axis=axis) + jnp.sum(jnp.where(jnp.isnan(v), v, 0.0), axis=axis)
 
 
+def _logits(z_ref, b_ref, row, v0, start, block, mask):
+    """z + b, fp32 [block], of a row's columns start..start+block."""
+    z = plt.load(z_ref.at[row, pl.ds(start, block)], mask=mask, other=0.0).astype(jnp.float32)
+    if b_ref is not None:
+        z = z + plt.load(b_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
+    return z
+
+
 def _capped(z_ref, b_ref, row, v0, start, block, mask, cap):
     """softcap(z + b), fp32 [block], of a row's columns start..start+block. jnp.tanh: the
     Triton lowering calls libdevice's tanhf (as jnp.exp its expf), accurate for any
     u = z / c, where 1 - 2 / (exp(2u) + 1) loses a small u's digits (every capped logit is
     0 at c = 1e30)."""
-    s = plt.load(z_ref.at[row, pl.ds(start, block)], mask=mask, other=0.0).astype(jnp.float32)
-    if b_ref is not None:
-        s = s + plt.load(b_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
-    if cap is not None:
-        s = cap * jnp.tanh(s / cap)
-    return s
+    z = _logits(z_ref, b_ref, row, v0, start, block, mask)
+    return z if cap is None else cap * jnp.tanh(z / cap)
+
+
+def softcap_slope(z, cap):
+    """d(c tanh(z / c)) / dz = sech(u)^2 = 4 w / (1 + w)^2 with w = exp(-2|u|), u = z / c:
+    accurate where the cap saturates, which 1 - (s / c)^2 cancels to rounding noise."""
+    w = jnp.exp(-2.0 * jnp.abs(z / cap))
+    return 4.0 * w / ((1.0 + w) * (1.0 + w))
 
 
 def column_loop(C: int, block: int, body, init):
@@ -195,7 +206,8 @@ def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, 
         start = i * block
         offs = start + jnp.arange(block)
         mask = offs < C
-        s = _capped(z_ref, b_ref, row, v0, start, block, mask, cap)
+        z = _logits(z_ref, b_ref, row, v0, start, block, mask)
+        s = z if cap is None else cap * jnp.tanh(z / cap)
         dz = p_coef * jnp.exp(s * scale - lse) - jnp.where(offs == y, t_coef, 0.0)
         if has_p2:
             dz = dz + p2_coef * jnp.exp(s - lse2)
@@ -204,8 +216,7 @@ def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, 
         else:
             dz = dz - s_coef
         if cap is not None:
-            t = s / cap
-            dz = dz * (1.0 - t * t)
+            dz = dz * softcap_slope(z, cap)
         plt.store(dz_ref.at[row, pl.ds(start, block)], dz.astype(dz_ref.dtype), mask=mask)
         return carry
 
