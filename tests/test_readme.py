@@ -1,5 +1,7 @@
-"""The README's examples run as written."""
+"""The README stays true: its examples run as written, it stays short, user-facing, and its
+Layout table lists exactly the module files of torch_impl/, jax_impl/ and interop/."""
 
+import glob
 import os
 import re
 import subprocess
@@ -10,6 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
 EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+PACKAGES = ("torch_impl", "jax_impl", "interop")
+MAX_LINES = 400
 
 
 def test_readme_has_an_example_per_framework():
@@ -20,3 +24,37 @@ def test_readme_has_an_example_per_framework():
 def test_readme_example_runs(index):
     out = subprocess.run([sys.executable, "-c", EXAMPLES[index]], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+
+
+def test_readme_is_short_and_for_users():
+    lines = README.splitlines()
+    assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines, at most {MAX_LINES}"
+    lab_word = "sess" + "ion"  # the lab log's word (bench/NOTES.md), spelt apart so this file holds none
+    assert lab_word not in README.lower(), f"README.md mentions a {lab_word!r}"
+
+
+def test_readme_keeps_the_generated_results_markers():
+    for framework in ("torch", "jax"):
+        start, end = f"<!-- bench.report {framework} -->", f"<!-- /bench.report {framework} -->"
+        assert start in README and end in README and README.index(start) < README.index(end)
+    assert "bench/results/cross_entropy.png" in README
+
+
+def layout_table_files() -> list[str]:
+    """The paths in the first column of the README's Layout table that lie in PACKAGES."""
+    section = README.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    pattern = r"^\| `((?:%s)/[^`]+)` \|" % "|".join(PACKAGES)
+    return re.findall(pattern, section, flags=re.M)
+
+
+def test_layout_table_lists_exactly_the_module_files():
+    listed = layout_table_files()
+    present = sorted(
+        os.path.relpath(path, ROOT).replace(os.sep, "/")
+        for package in PACKAGES
+        for ext in ("py", "md")
+        for path in glob.glob(os.path.join(ROOT, package, f"*.{ext}"))
+    )
+    assert len(listed) == len(set(listed)), f"listed twice: {sorted({p for p in listed if listed.count(p) > 1})}"
+    missing, extra = sorted(set(present) - set(listed)), sorted(set(listed) - set(present))
+    assert not missing and not extra, f"Layout table lacks {missing}; lists files that do not exist: {extra}"
