@@ -5,23 +5,32 @@ CPU it runs a small shape. Per method and shape: forward ms, fwd+bwd ms (median 
 warm-up), peak extra memory and its ratio to the floor (the gradients' bytes), loss and
 gradient errors against float64, achieved TFLOP/s (6 N D V / fwd+bwd time) next to a
 matrix product measured in the same run.
+
+With --out DIR (the committed one is bench/results) it writes DIR/cross_entropy_torch.json
+and DIR/cross_entropy_jax.json and appends the rows to DIR/history.csv (bench.store), after
+every shape, so that a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import platform
+import sys
 
 import torch
 
-from bench import jax_methods, measure, torch_methods
+from bench import jax_methods, measure, store, torch_methods
 from bench.report import format_row
 
 TORCH_DEFAULT = ["ours-speed", "ours-memory", "ours-chunked", "torch-eager", "torch-compile", "torch-native", "liger", "cce", "cce-nofilter"]
 JAX_DEFAULT = ["jax-ours-speed", "jax-ours-memory", "jax-naive", "jax-cce"]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+PEERS = ("liger-kernel", "cut-cross-entropy", "jax-cce")  # their versions go into the environment
 
 
 def environment(device) -> dict:
@@ -31,6 +40,11 @@ def environment(device) -> dict:
         try:
             env[name] = __import__(name).__version__
         except ImportError:
+            pass
+    for name in PEERS:
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             pass
     env["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     return env
@@ -123,7 +137,8 @@ def main(argv=None):
     parser.add_argument("--sweep-n", default=None, help="comma-separated N values: sweep N of the first shape")
     parser.add_argument("--sweep-v", default=None, help="comma-separated V values: sweep V of the first shape")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per measurement (default 10 on a GPU, 3 on a CPU)")
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--out", default=None, help="folder for cross_entropy_{torch,jax}.json (overwritten) and history.csv (appended)")
+    parser.add_argument("--json", default=None, help="also write all results in one JSON file here")
     parser.add_argument("--plot", default=None, help="write PNG plots (time and memory against the swept N or V) to this folder")
     args = parser.parse_args(argv)
 
@@ -146,20 +161,23 @@ def main(argv=None):
     log(f"# {env}")
     for name, reason in skipped.items():
         log(f"# skipped {name}: {reason}")
-    results = []
+    command = " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)])
+    report = {"environment": env, "command": command, "data": args.data, "skipped": skipped, "results": []}
     for i, (name, shape) in enumerate(shapes):
         log(f"# [{i + 1}/{len(shapes)}] {name} N={shape[0]} D={shape[1]} V={shape[2]} {str(dtype).removeprefix('torch.')} {args.data}")
         rows, floor = run_shape(name, shape, torch_ms, jax_ms, dtype, device, args.data, repeat, log)
         log(f"# {name} floor {floor / 2**20:.1f} MiB")
-        results.extend(rows)
-    report = {"environment": env, "data": args.data, "skipped": skipped, "results": results}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        report["results"].extend(rows)
+        if args.out:
+            store.write_json(report, args.out, "cross_entropy")
+            store.append_history(rows, env, args.out, "cross_entropy")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
     if args.plot:
         from bench import plots
 
-        for path in plots.write_plots(results, args.plot):
+        for path in plots.write_plots(report["results"], args.plot):
             log(f"# plot {path}")
     return report
 

@@ -1,19 +1,66 @@
-"""PNG plots of benchmark results: fwd+bwd time and peak extra memory against the swept
-N or V, one line per method (ours solid, peers dashed)."""
+"""PNG plots of benchmark results: the README's grouped bars (fwd+bwd time and memory over
+the floor per method at each shape, one row per framework), and sweeps (time and memory
+against a swept N or V, one line per method; ours solid, peers dashed)."""
 
 from __future__ import annotations
 
 import os
 
+from bench import store
+from bench.report import by_shape, FRAMEWORKS
 
-def write_plots(results: list[dict], folder: str) -> list[str]:
-    """Write one PNG per swept variable found in `results` (shape names "X:N=..." or
-    "X:V=..."); returns the paths written."""
+
+def _pyplot():
+    """pyplot on the Agg backend: files only, no display needed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_summary_plot(datasets: dict[str, dict], path: str) -> str:
+    """One row per framework ({framework: JSON data}): fwd+bwd ms and peak extra memory / floor,
+    bars grouped by shape, one bar per method (peers hatched), log scales (L's times are 50x
+    S's; memory spans 1x to 20x the floor). Returns `path`."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(datasets), 2, figsize=(15, 4.2 * len(datasets)), squeeze=False)
+    for (fw, data), (ax_t, ax_m) in zip(datasets.items(), axes):
+        shapes = by_shape([r for r in data["results"] if "error" not in r])
+        methods = list(dict.fromkeys(r["method"] for rows in shapes.values() for r in rows))
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            xs, times, ratios = [], [], []
+            for k, rows in enumerate(shapes.values()):
+                for r in rows:
+                    if r["method"] == method:
+                        xs.append(k + (i - (len(methods) - 1) / 2) * width)
+                        times.append(r["fwd_bwd_ms"])
+                        ratios.append(r["floor_ratio"] or float("nan"))
+            hatch = None if store.is_ours(method) else "//"
+            ax_t.bar(xs, times, width, label=method, hatch=hatch, color=f"C{i}", edgecolor="white")
+            ax_m.bar(xs, ratios, width, label=method, hatch=hatch, color=f"C{i}", edgecolor="white")
+        env = data["environment"]
+        for ax, label in ((ax_t, "fwd+bwd ms"), (ax_m, "peak extra memory / floor")):
+            ax.set_xticks(range(len(shapes)), list(shapes))
+            ax.set_yscale("log")
+            ax.set_ylabel(label)
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax_t.set_title(f"{FRAMEWORKS[fw]}: fwd+bwd time ({env['device']}, {env['date'][:10]})")
+        ax_m.set_title(f"{FRAMEWORKS[fw]}: peak extra memory over the floor")
+        ax_m.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(results: list[dict], folder: str) -> list[str]:
+    """Sweeps: write one PNG per swept variable found in `results` (shape names "X:N=..." or
+    "X:V=..."); returns the paths written."""
+    plt = _pyplot()
     os.makedirs(folder, exist_ok=True)
     paths = []
     for var in ("N", "V"):

@@ -1,12 +1,28 @@
-"""Render benchmark results (the JSON `python -m bench --json` writes) as a markdown table.
+"""The README's benchmark tables and plot, generated from the committed JSON, never by hand.
 
-python -m bench.report bench/results/FILE.json
+python -m bench.report                             # print the tables, write bench/results/cross_entropy.png
+python -m bench.report --readme README.md          # and rewrite README.md between its markers
+python -m bench.report --readme README.md --check  # exit 1 where README.md's tables differ from the JSON
+python -m bench.report FILE.json                   # every row and column of one JSON
+
+The README holds one section per framework between `<!-- bench.report torch -->` and
+`<!-- /bench.report torch -->` (the same with `jax`); everything between a pair is replaced.
+A check mode lets a test hold the README to the numbers the JSON records.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
 import sys
+
+from bench import store
+from bench.measure import PRESETS
+
+FRAMEWORKS = {"torch": "PyTorch", "jax": "JAX"}
+VERSIONS = {"torch": ("torch", "triton", "liger-kernel", "cut-cross-entropy"), "jax": ("jax", "jax-cce")}
 
 
 def _err(r, key) -> str:
@@ -24,6 +40,7 @@ def format_row(r) -> str:
 
 
 def markdown_table(results: list[dict]) -> str:
+    """Every measured column of every row, in the order run."""
     lines = [
         "| shape | method | fwd ms | fwd+bwd ms | peak extra MiB (x floor) | loss err | grad_x err | grad_W err |",
         "|---|---|---|---|---|---|---|---|",
@@ -40,13 +57,119 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(path: str) -> None:
-    data = json.load(open(path))
+def by_shape(results: list[dict]) -> dict[str, list[dict]]:
+    """{shape: rows}, the presets in the order L, G, S, then other shapes as they ran."""
+    order = list(PRESETS)
+    shapes = sorted(dict.fromkeys(r["shape"] for r in results), key=lambda s: order.index(s) if s in order else len(order))
+    return {s: [r for r in results if r["shape"] == s] for s in shapes}
+
+
+def summary_table(results: list[dict]) -> str:
+    """The README's table: per shape and method, forward and fwd+bwd times, the latter's ratio
+    to the fastest peer's at that shape, peak extra memory and its ratio to the floor, gradient errors."""
+    lines = ["| shape | method | fwd ms | fwd+bwd ms | x fastest peer | peak extra MiB | x floor | grad_x err | grad_W err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for shape, rows in by_shape(results).items():
+        peers = [r["fwd_bwd_ms"] for r in rows if "error" not in r and not store.is_ours(r["method"])]
+        fastest = min(peers, default=None)
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {shape} | {r['method']} | {r['error']} | | | | | | |")
+                continue
+            vs_peer = "-" if fastest is None else f"{r['fwd_bwd_ms'] / fastest:.2f}x"
+            mem, floor = ("-", "-") if r["peak_extra_mib"] is None else (f"{r['peak_extra_mib']:.0f}", f"{r['floor_ratio']:.2f}x")
+            lines.append(f"| {shape} | {r['method']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {vs_peer} | {mem} | {floor} | "
+                         f"{_err(r, 'grad_x_err')} | {_err(r, 'grad_W_err')} |")
+    return "\n".join(lines) + "\n"
+
+
+def caption(data: dict, path: str) -> str:
+    """Where and with what the numbers were measured, what the shapes are, what was skipped."""
     env = data["environment"]
-    print(f"{env['device']}, torch {env['torch']}, triton {env.get('triton')}, {env['date']}; "
-          f"bf16 matmul {env['matmul_tflops']:.0f} TFLOP/s; skipped: {data['skipped'] or 'none'}\n")
-    print(markdown_table(data["results"]))
+    versions = ", ".join(f"{k} {env[k]}" for k in VERSIONS[data["framework"]] if k in env)
+    dtypes = ", ".join(sorted({r["dtype"] for r in data["results"]}))
+    shapes = "; ".join(f"{s} = {rows[0]['N']} x {rows[0]['D']} x {rows[0]['V']}" for s, rows in by_shape(data["results"]).items())
+    skipped = "; ".join(f"{m} ({why})" for m, why in data["skipped"].items()) or "none"
+    unmeasured = sorted({r["method"] for r in data["results"] if "error" not in r and r.get("grad_x_err") is None})
+    no_errors = (f"; {', '.join(unmeasured)}: no ignore_index, so given targets with -100 replaced by 0 and no "
+                 f"errors shown" if unmeasured else "")
+    return (f"{FRAMEWORKS[data['framework']]} on {env['device']}, {dtypes}, {data['data']} data, {env['date'][:10]}; "
+            f"{versions} (`{path}`). N x D x V: {shapes}. x fastest peer: fwd+bwd time over the fastest "
+            f"non-ours method's at that shape; x floor: peak extra memory over the bytes of grad_input + "
+            f"grad_weight; errors relative to float64{no_errors}. Skipped: {skipped}.\n")
+
+
+def load(folder: str) -> dict[str, tuple[str, dict]]:
+    """{framework: (path, data)} for the cross-entropy JSON present in `folder`."""
+    found = {}
+    for fw in FRAMEWORKS:
+        path = store.json_path(folder, "cross_entropy", fw)
+        if os.path.exists(path):
+            with open(path) as f:
+                found[fw] = (path, json.load(f))
+    return found
+
+
+def section(path: str, data: dict) -> str:
+    return caption(data, path) + "\n" + summary_table(data["results"])
+
+
+def rewrite(text: str, sections: dict[str, str]) -> str:
+    """`text` with each framework's section between its markers; a framework with a JSON but
+    no markers, or markers but no JSON, is an error (a README that silently keeps old numbers)."""
+    for fw in FRAMEWORKS:
+        pattern = re.compile(rf"(<!-- bench\.report {fw} -->\n).*?(<!-- /bench\.report {fw} -->)", re.DOTALL)
+        has_markers = pattern.search(text) is not None
+        if has_markers and fw not in sections:
+            raise ValueError(f"markers for {fw} but no cross_entropy_{fw}.json")
+        if fw in sections and not has_markers:
+            raise ValueError(f"no <!-- bench.report {fw} --> ... <!-- /bench.report {fw} --> markers")
+        if has_markers:
+            text = pattern.sub(lambda m: m.group(1) + sections[fw] + m.group(2), text)
+    return text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("json", nargs="?", help="print every row of this one JSON and stop")
+    parser.add_argument("--results", default="bench/results", help="the folder of cross_entropy_{torch,jax}.json")
+    parser.add_argument("--plot", default=None, help="the PNG to write (default RESULTS/cross_entropy.png)")
+    parser.add_argument("--readme", default=None, help="rewrite this file between its bench.report markers")
+    parser.add_argument("--check", action="store_true", help="with --readme: write nothing, exit 1 if it differs")
+    args = parser.parse_args(argv)
+    if args.json:
+        with open(args.json) as f:
+            print(markdown_table(json.load(f)["results"]), end="")
+        return 0
+    found = load(args.results)
+    if not found:
+        parser.error(f"no cross_entropy_*.json in {args.results}")
+    sections = {fw: section(path, data) for fw, (path, data) in found.items()}
+    if args.readme is None:
+        print("\n".join(sections.values()), end="")
+    else:
+        with open(args.readme) as f:
+            text = f.read()
+        try:
+            new = rewrite(text, sections)
+        except ValueError as e:
+            print(f"{args.readme}: {e}", file=sys.stderr)
+            return 1
+        if args.check:
+            if new != text:
+                print(f"{args.readme}: tables differ from {args.results}; run python -m bench.report --readme {args.readme}",
+                      file=sys.stderr)
+                return 1
+            return 0
+        with open(args.readme, "w") as f:
+            f.write(new)
+    from bench import plots
+
+    png = plots.write_summary_plot({fw: data for fw, (_, data) in found.items()},
+                                   args.plot or os.path.join(args.results, "cross_entropy.png"))
+    print(f"plot {png}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main())

@@ -1,23 +1,48 @@
-"""The benchmark is code too: on the CPU it produces the table, the JSON and the plots,
-and reports a peer it can't import instead of dropping it."""
+"""The benchmark is code too: on the CPU it produces the table, the JSON (one per framework
+with --out), the history rows and the plots, reports a peer it can't import instead of
+dropping it, and regenerates the README's tables between their markers."""
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import io
 import json
+import re
+from pathlib import Path
 
+import pytest
+
+from bench import report, store
 from bench.__main__ import main
-from bench.report import markdown_table
 
+ROOT = Path(__file__).resolve().parent.parent
 METHODS = ["ours-speed", "ours-chunked", "torch-eager", "liger", "cce", "jax-ours-speed", "jax-naive", "jax-cce"]
+COMMITTED_HISTORY = ROOT / "bench" / "results" / store.HISTORY
+MARKERS = "\n<!-- bench.report {0} -->\n<!-- /bench.report {0} -->\n"
 
 
-def test_bench_cpu_run_writes_table_json_and_plots(tmp_path, capsys):
-    out_json, plot_dir = tmp_path / "results.json", tmp_path / "plots"
-    report = main(["--shapes", "48x16x300", "--sweep-n", "24,48", "--methods", ",".join(METHODS), "--repeat", "1",
-                   "--json", str(out_json), "--plot", str(plot_dir)])
-    printed = capsys.readouterr().out
-    saved = json.loads(out_json.read_text())
-    assert saved["results"] == json.loads(json.dumps(report["results"]))
+def _read(path: Path):
+    return path.read_bytes() if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One CPU run of every method over a two-point sweep, into a scratch folder:
+    (returned report, console output, folder, the committed history's bytes before the run)."""
+    folder = tmp_path_factory.mktemp("bench")
+    history_before = _read(COMMITTED_HISTORY)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = main(["--shapes", "48x16x300", "--sweep-n", "24,48", "--methods", ",".join(METHODS), "--repeat", "1",
+                       "--json", str(folder / "all.json"), "--out", str(folder / "results"), "--plot", str(folder / "plots")])
+    return result, printed.getvalue(), folder, history_before
+
+
+def test_bench_cpu_run_writes_table_json_and_plots(run):
+    result, printed, folder, _ = run
+    saved = json.loads((folder / "all.json").read_text())
+    assert saved["results"] == json.loads(json.dumps(result["results"]))
     ran = {r["method"] for r in saved["results"]}
     for method in METHODS:  # every method either ran on both sweep points or is reported skipped, with a reason
         assert (method in ran) != (method in saved["skipped"]), method
@@ -25,12 +50,90 @@ def test_bench_cpu_run_writes_table_json_and_plots(tmp_path, capsys):
     for r in saved["results"]:
         assert "error" not in r, r
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["method"] in printed
-        if r["method"].startswith(("ours", "jax-ours")):  # ours are exact to fp32 here
+        if store.is_ours(r["method"]):  # ours are exact to fp32 here
             assert r["loss_err"] < 1e-5 and r["grad_x_err"] < 1e-5 and r["grad_W_err"] < 1e-5
     naive = [r for r in saved["results"] if r["method"] in ("torch-eager", "jax-naive")]
     assert all(r["peak_extra_mib"] is not None and r["peak_extra_mib"] >= 0 for r in naive)
     assert {r["shape"] for r in saved["results"]} == {"48x16x300:N=24", "48x16x300:N=48"}
-    png = plot_dir / "sweep_N_48x16x300.png"
+    png = folder / "plots" / "sweep_N_48x16x300.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = markdown_table(saved["results"])
+    table = report.markdown_table(saved["results"])
     assert table.count("\n") == 2 + len(saved["results"])
+
+
+def test_out_writes_one_json_per_framework_and_appends_history(run):
+    result, _, folder, history_before = run
+    out = folder / "results"
+    for fw in ("torch", "jax"):
+        data = json.loads((out / f"cross_entropy_{fw}.json").read_text())
+        assert data["loss"] == "cross_entropy" and data["framework"] == fw
+        assert data["environment"]["date"] and data["environment"]["device"] and data["command"].startswith("python -m bench")
+        assert data["results"] == [r for r in json.loads(json.dumps(result["results"])) if r["framework"] == fw]
+        assert all(store.framework_of(m) == fw for m in data["skipped"])
+    with open(out / store.HISTORY, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == store.HISTORY_COLUMNS
+    assert len(rows) == len(result["results"])  # every row ran (none is an error)
+    assert {(r["framework"], r["method"], r["shape"]) for r in rows} == \
+        {(r["framework"], r["method"], r["shape"]) for r in result["results"]}
+    assert all(r["loss"] == "cross_entropy" and float(r["fwd_bwd_ms"]) > 0 for r in rows)
+    store.append_history(result["results"][:1], result["environment"], str(out), "cross_entropy")
+    lines = (out / store.HISTORY).read_text().splitlines()
+    assert len(lines) == 2 + len(rows) and lines.count(lines[0]) == 1  # appended, one header
+    assert _read(COMMITTED_HISTORY) == history_before  # a run elsewhere leaves the committed history alone
+
+
+def _readme_copy(tmp_path: Path) -> Path:
+    """README.md with the markers of both frameworks (appended where it has none yet)."""
+    text = (ROOT / "README.md").read_text()
+    for fw in report.FRAMEWORKS:
+        if f"<!-- bench.report {fw} -->" not in text:
+            text += MARKERS.format(fw)
+    path = tmp_path / "README.md"
+    path.write_text(text)
+    return path
+
+
+def test_report_rewrites_readme_between_markers_and_checks(run, tmp_path):
+    results = str(run[2] / "results")
+    readme = _readme_copy(tmp_path)
+    before = readme.read_text()
+    assert report.main(["--results", results, "--readme", str(readme), "--plot", str(tmp_path / "ce.png")]) == 0
+    after = readme.read_text()
+    assert (tmp_path / "ce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for fw, (path, data) in report.load(results).items():
+        start, end = f"<!-- bench.report {fw} -->\n", f"<!-- /bench.report {fw} -->"
+        inside = after.split(start)[1].split(end)[0]
+        assert inside == report.section(path, data)
+        assert inside.count("\n| ") == 1 + len(data["results"]) and data["environment"]["device"] in inside
+    outside = lambda text: [part.split("<!-- /bench.report")[-1] for part in text.split("<!-- bench.report ")]
+    assert outside(after) == outside(before)  # nothing but the sections changed
+    assert report.main(["--results", results, "--readme", str(readme), "--check"]) == 0
+    readme.write_text(after.replace("| 48x16x300:N=24 | jax-naive |", "| 48x16x300:N=24 | jax-naive | 0.01 |", 1))
+    assert report.main(["--results", results, "--readme", str(readme), "--check"]) == 1
+    readme.write_text(after.replace("<!-- bench.report jax -->", ""))
+    assert report.main(["--results", results, "--readme", str(readme), "--check"]) == 1
+
+
+def test_summary_table_ratios():
+    rows = [{"shape": "S", "method": m, "fwd_ms": ms / 2, "fwd_bwd_ms": ms, "peak_extra_mib": 1.0, "floor_ratio": 2.0}
+            for m, ms in (("ours-speed", 1.0), ("torch-eager", 4.0), ("liger", 2.0))]
+    rows.insert(0, {"shape": "L", "method": "liger", "error": "OutOfMemoryError: ..."})
+    table = report.summary_table(rows).splitlines()
+    assert table[2].startswith("| L | liger | OutOfMemoryError")  # presets in the order L, G, S
+    assert table[3].startswith("| S | ours-speed | 0.50 | 1.00 | 0.50x | 1 | 2.00x |")  # against liger, the fastest peer
+    assert table[5].startswith("| S | liger | 1.00 | 2.00 | 1.00x |")
+
+
+def test_committed_results_render_and_readme_matches(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the captions name bench/results/..., as the README's command writes them
+    assert report.main(["--plot", str(tmp_path / "ce.png")]) == 0
+    printed = capsys.readouterr().out
+    found = report.load("bench/results")
+    assert set(found) == {"torch", "jax"}
+    for _, data in found.values():
+        assert {r["shape"] for r in data["results"]} == {"L", "G", "S"} and data["environment"]["device"] in printed
+    sections = re.findall(r"<!-- bench\.report \w+ -->\n(.*?)<!-- /bench\.report", Path("README.md").read_text(), re.DOTALL)
+    if not any(sections):
+        pytest.skip("README.md has no generated tables yet (python -m bench.report --readme README.md)")
+    assert report.main(["--readme", "README.md", "--check"]) == 0, "run python -m bench.report --readme README.md"
