@@ -1,8 +1,10 @@
-"""Session 25 measurement (results in session25_jax_memory_model_G_h100_2026-11-25.json):
-XLA's memory (temp + output) for JAX "memory" in rows x columns blocks, compile only, blocks
+"""XLA's memory (temp + output) for JAX "memory" in rows x columns blocks, compile only, blocks
 forced: how it grows with the block's rows, N, D and V (interop.blocking._xla_memory_rows had
 counted 512 bytes per row of N, XLA_ROW_BYTES of whole rows at L; XLA holds ~13 here).
-Run on a GPU: PYTHONPATH=. python bench/results/session25_jax_memory_model_G.py"""
+H100, 2026-11-25; results in git history at 9e19130, bench/NOTES.md has the entry. Writes
+$OUT/jax_memory_xla_model_G.json.
+
+Run on a GPU from the repository root: PYTHONPATH=. python bench/experiments/jax_memory_xla_model_G.py"""
 import json, os, time
 import jax, jax.numpy as jnp
 import jax_impl
@@ -39,4 +41,4 @@ for n, d, v, rows, cols, lse in cases:
                             beyond_floor_mib=beyond, bound_margin_mib=(1.10 * floor + 16 * n - b) / 2**20))
     print(f"N {n:6d} D {d} V {v} rows {rows} cols {cols} lse {lse!s:5s}: {b / floor:.4f}x, {beyond:7.2f} MiB beyond the floor,"
           f" margin to the bound {(1.10 * floor + 16 * n - b) / 2**20:6.2f} MiB", flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "s25_g_memory_model.json"), "w"), indent=1)
+json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "jax_memory_xla_model_G.json"), "w"), indent=1)

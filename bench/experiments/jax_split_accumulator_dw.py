@@ -1,4 +1,5 @@
-"""Session 23 prototype (not in the package; results in session23_split_accumulator_h100_2026-11-24.json).
+"""A prototype, not in the package (H100, 2026-11-24; results in git history at e80f16e,
+bench/NOTES.md has the entry).
 
 JAX "speed" holds an fp32 grad_weight accumulator (2 W) beside the bf16 gradient XLA returns
 (W): 3 W, 2.67x the floor at L before any logits block. Kept as two 16-bit planes, the upper
@@ -13,7 +14,7 @@ that loads the planes after the main loop, its fastest); the tidied Triton versi
 in interpret mode only, the tidied Mosaic version not re-run. The Triton kernel's K loop is
 `row_products._grad_weight_kernel`'s, with the split epilogue in place of its one rounding.
 
-Run on a GPU from the repository root: PYTHONPATH=. python bench/results/session23_split_accumulator.py
+Run on a GPU from the repository root: PYTHONPATH=. python bench/experiments/jax_split_accumulator_dw.py
 """
 import functools, statistics, time
 import jax, jax.numpy as jnp

@@ -1,7 +1,9 @@
-"""Session 25 measurement (results in session25_rows_cols_LQ_h100_2026-11-25.json): JAX "memory"
-at L and Qwen2-7B's head in XLA's rows x columns blocks (whole rows switched off) against the
-default whole rows; PyTorch "memory" in the same call. Run on a GPU: PYTHONPATH=. python
-bench/results/session25_rows_cols_LQ.py"""
+"""JAX "memory" at L and Qwen2-7B's head in XLA's rows x columns blocks (whole rows switched
+off) against the default whole rows; PyTorch "memory" in the same call (H100, 2026-11-25;
+results in git history at 0e46bcf, bench/NOTES.md has the entry). Writes
+$OUT/jax_memory_rows_cols_LQ.json.
+
+Run on a GPU from the repository root: PYTHONPATH=. python bench/experiments/jax_memory_rows_cols_LQ.py"""
 import json, os, time
 import torch
 import jax
@@ -39,4 +41,4 @@ for name, ((n, d, v), plans) in cases.items():
             print(name, label, "FAILED", type(e).__name__, str(e)[:300], flush=True)
     blocked.xla_memory_block_shape, blocked.whole_row_memory_block_rows = default_shape, default_whole
     del x, W, y, ref
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "s25_rows_cols_LQ.json"), "w"), indent=1)
+json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "jax_memory_rows_cols_LQ.json"), "w"), indent=1)

@@ -1,7 +1,9 @@
-"""Session 25 measurement (results in session25_jax_memory_blocks_G_h100_2026-11-25.json): JAX
-"memory" at G in fewer row blocks (2 trips over the 7395 kept rows instead of 3) and narrower
-column blocks, against PyTorch "memory" in the same call. Blocks as "RxC" arguments ("default"
-for the plan), else the list below. Run on a GPU: PYTHONPATH=. python bench/results/session25_jax_memory_blocks_G.py"""
+"""JAX "memory" at G in fewer row blocks (2 trips over the 7395 kept rows instead of 3) and
+narrower column blocks, against PyTorch "memory" in the same call (H100, 2026-11-25; results
+in git history at 9e19130, bench/NOTES.md has the entry). Blocks as "RxC" arguments
+("default" for the plan), else the list below; writes $OUT/jax_memory_row_blocks_G.json.
+
+Run on a GPU from the repository root: PYTHONPATH=. python bench/experiments/jax_memory_row_blocks_G.py"""
 import json, os, sys, time
 import torch
 import jax
@@ -41,4 +43,4 @@ for shape in shapes:
         print(name, "FAILED", type(e).__name__, str(e)[:300], flush=True)
 blocked.xla_memory_block_shape = default
 record("torch memory (again)", torch_row("ours-memory", torch_methods.METHODS["ours-memory"](), x, W, y, ref, dev, 10))
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "s25_g_rows.json"), "w"), indent=1)
+json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "jax_memory_row_blocks_G.json"), "w"), indent=1)

@@ -1,8 +1,9 @@
-"""Session 25 measurement (output in session25_L_memory_kernels_h100_2026-11-25.txt): does
-JAX memory's grad_weight update at L run slower in its loop (~1.02 ms a 250-row block in
-session 18's profile) than on its own (~0.77 in session 21)? Kernels seen by CUPTI: no, the
-same cuBLAS kernel at the same 1.02 ms both ways. Run on a GPU: PYTHONPATH=. python
-bench/results/session25_L_memory_kernels.py"""
+"""Does JAX memory's grad_weight update at L run slower in its loop (~1.02 ms a 250-row
+block in a profile of the whole call) than on its own (~0.77 ms measured another way)?
+Kernels seen by CUPTI, printed: no, the same cuBLAS kernel at the same 1.02 ms both ways
+(H100, 2026-11-25; the output is in git history at f614a9c, bench/NOTES.md has the entry).
+
+Run on a GPU from the repository root: PYTHONPATH=. python bench/experiments/jax_memory_dw_kernels_L.py"""
 import torch
 import jax, jax.numpy as jnp
 import jax_impl

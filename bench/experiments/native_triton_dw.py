@@ -1,4 +1,5 @@
-"""Session 25 prototype (not in the package; results in session25_native_triton_dw_h100_2026-11-25.json).
+"""A prototype, not in the package (H100, 2026-11-25; results in git history at be7f2bd,
+bench/NOTES.md has the entry).
 
 Can native Triton (the triton package, callable from JAX through jaxlib's `triton_kernel_call`,
 as jax-triton does; not Pallas' Triton lowering) update JAX `speed`'s grad_weight in place as
@@ -7,7 +8,8 @@ x[R, D]. With split=True the fp32 accumulator is two 16-bit planes (the bf16 upp
 value's bits, which would be the returned gradient's own buffer, and an int16 lower half): 2 W,
 where XLA needs 3 W (its fp32 accumulator beside the bf16 result it allocates apart).
 On the H100 the best kernels took L 4.93 / 5.00 ms (fp32 / split) and G 3.50 / 3.41 against
-cuBLAS's 3.31-3.37 and 2.43-2.75: no faster than session 23's Pallas and Mosaic GPU kernels.
+cuBLAS's 3.31-3.37 and 2.43-2.75: no faster than the Pallas and Mosaic GPU kernels of
+jax_split_accumulator_dw.py.
 
 Two device calls ran this file: the first with POINTER_TILES_CALL_1 and TMA tiles
 (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 4) with
@@ -15,7 +17,7 @@ Two device calls ran this file: the first with POINTER_TILES_CALL_1 and TMA tile
 the lists below. Triton 3.9's interpreter (CPU) gets tl.dot of bf16 tiles wrong even for one
 16 x 16 product (fp32 tiles are exact), so the check that counts is the GPU's max_rel_err (~1e-7).
 
-Run on a GPU from the repository root: python bench/results/session25_native_triton_dw.py
+Run on a GPU from the repository root: python bench/experiments/native_triton_dw.py
 """
 import itertools, json, os, statistics, time
 import torch
@@ -219,7 +221,7 @@ def main():
                 torch.cuda.empty_cache()
         for r in rows:
             out["rows"].append({"shape": name, "R_V_D": [R, V, D], "variant": r[0], "ms": r[1], "max_rel_err": r[2]})
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "s25_triton_dw.json")
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "native_triton_dw.json")
     json.dump(out, open(path, "w"), indent=1)
     print("\n".join(f"{r['shape']} {r['ms'] if r['ms'] is None else round(r['ms'], 3)} ms  err {r['max_rel_err']}  {r['variant']}" for r in out["rows"]))
 
