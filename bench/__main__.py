@@ -18,7 +18,6 @@ import datetime
 import importlib.metadata
 import json
 import platform
-import sys
 
 import torch
 
@@ -161,8 +160,8 @@ def main(argv=None):
     log(f"# {env}")
     for name, reason in skipped.items():
         log(f"# skipped {name}: {reason}")
-    command = " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)])
-    report = {"environment": env, "command": command, "data": args.data, "skipped": skipped, "results": []}
+    report = {"environment": env, "command": store.command("python -m bench", argv), "data": args.data, "skipped": skipped,
+              "results": []}
     for i, (name, shape) in enumerate(shapes):
         log(f"# [{i + 1}/{len(shapes)}] {name} N={shape[0]} D={shape[1]} V={shape[2]} {str(dtype).removeprefix('torch.')} {args.data}")
         rows, floor = run_shape(name, shape, torch_ms, jax_ms, dtype, device, args.data, repeat, log)

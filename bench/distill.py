@@ -6,7 +6,9 @@ KD (full student logits, log_softmax, gather) eager and under torch.compile. Den
 (generalised JSD, beta 0.5): ours against liger-kernel's LigerFusedLinearJSD and the naive
 formula, eager and compiled. Per method: fwd+bwd time (CUDA events, median), peak memory
 beyond the inputs as a multiple of the floor (the bytes of grad_input + grad_weight), and the
-errors of loss, grad_input and grad_weight against our fp64 path. Prints a table, writes JSON.
+errors of loss, grad_input and grad_weight against our fp64 path. Prints a table; with
+--out DIR writes DIR/distillation_torch.json and appends the rows to DIR/history.csv
+(bench.store), as `python -m bench` does for cross-entropy.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from bench import measure
+from bench import measure, store
 from bench.__main__ import environment
 from torch_impl import linear_distillation, linear_topk_distillation
 
@@ -121,10 +123,12 @@ def run(shapes, ks, dtype, device, repeat, log, only=None, dense=True):
             for name, fn in methods.items():
                 if only is not None and name not in only:
                     continue
-                row = {"shape": shape, "N": n, "D": d, "V": v, "loss": loss_name, "method": name}
+                row = {"shape": shape, "N": n, "D": d, "V": v, "loss": loss_name, "framework": "torch", "method": name,
+                       "dtype": str(dtype).removeprefix("torch.")}
                 try:
                     row.update(measure_method(fn, (x, W), rest, ref, device, repeat))
-                    row["floor_ratio"] = row.pop("peak_extra_bytes") / floor
+                    peak = row.pop("peak_extra_bytes")
+                    row.update(peak_extra_mib=peak / 2**20, floor_ratio=peak / floor)
                 except Exception as e:  # e.g. out of memory: recorded, the run goes on
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 torch.cuda.empty_cache()
@@ -138,7 +142,8 @@ def main(argv=None):
     parser.add_argument("--shapes", default="L,G")
     parser.add_argument("--k", default="32,128", help='comma-separated K of the top-K losses ("" for none)')
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--out", default=None, help="folder for distillation_torch.json (overwritten) and history.csv (appended)")
+    parser.add_argument("--json", default=None, help="also write the rows in one JSON file here")
     parser.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
     parser.add_argument("--no-dense", action="store_true", help="only the top-K losses")
     args = parser.parse_args(argv)
@@ -155,9 +160,14 @@ def main(argv=None):
     only = None if args.methods is None else set(args.methods.split(","))
     rows = run(args.shapes.split(","), [int(k) for k in args.k.split(",") if k], torch.bfloat16, device, args.repeat, log, only,
                dense=not args.no_dense)
+    env = environment(device)
+    if args.out:
+        report = {"environment": env, "command": store.command("python -m bench.distill", argv), "skipped": {}, "results": rows}
+        store.write_json(report, args.out, "distillation")
+        store.append_history(rows, env, args.out, "distillation")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(device), "rows": rows}, f, indent=1)
+            json.dump({"environment": env, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

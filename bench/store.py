@@ -12,11 +12,17 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 
 HISTORY = "history.csv"
 HISTORY_COLUMNS = ["date", "loss", "framework", "method", "shape", "N", "D", "V", "dtype", "GPU", "torch", "jax",
                    "triton", "fwd_ms", "fwd_bwd_ms", "peak_extra_mib", "floor_ratio", "loss_err", "grad_x_err",
                    "grad_W_err"]
+
+
+def command(prog: str, argv: list[str] | None) -> str:
+    """The command line that ran (argv, or the process's own), recorded in the JSON."""
+    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
 
 
 def framework_of(method: str) -> str:
