@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--readme", default=None, help="rewrite this file between its bench.report markers")
     parser.add_argument("--check", action="store_true", help="with --readme: write nothing, exit 1 if it differs")
     args = parser.parse_args(argv)
+    if args.check and not args.readme:
+        parser.error("--check needs --readme FILE")
     if args.json:
         with open(args.json) as f:
             print(markdown_table(json.load(f)["results"]), end="")
