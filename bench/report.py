@@ -65,21 +65,25 @@ def by_shape(results: list[dict]) -> dict[str, list[dict]]:
 
 
 def summary_table(results: list[dict]) -> str:
-    """The README's table: per shape and method, forward and fwd+bwd times, the latter's ratio
-    to the fastest peer's at that shape, peak extra memory and its ratio to the floor, gradient errors."""
-    lines = ["| shape | method | fwd ms | fwd+bwd ms | x fastest peer | peak extra MiB | x floor | grad_x err | grad_W err |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for shape, rows in by_shape(results).items():
-        peers = [r["fwd_bwd_ms"] for r in rows if "error" not in r and not store.is_ours(r["method"])]
-        fastest = min(peers, default=None)
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| {shape} | {r['method']} | {r['error']} | | | | | | |")
+    """The README's table: one row per method, per shape its fwd+bwd time (and ratio to the
+    fastest peer's at that shape), its peak extra memory as a multiple of the floor and its
+    grad_input / grad_weight errors."""
+    shapes = by_shape(results)
+    head = "| method | " + " | ".join(f"{s}: fwd+bwd ms (x fastest peer) | {s}: x floor | {s}: dx / dW err" for s in shapes) + " |"
+    lines = [head, "|---|" + "---|" * (3 * len(shapes))]
+    fastest = {s: min((r["fwd_bwd_ms"] for r in rows if "error" not in r and not store.is_ours(r["method"])), default=None)
+               for s, rows in shapes.items()}
+    for method in dict.fromkeys(r["method"] for r in results):
+        cells = []
+        for s, rows in shapes.items():
+            r = next((r for r in rows if r["method"] == method), None)
+            if r is None or "error" in r:
+                cells += ["-" if r is None else r["error"].split(":")[0], "-", "-"]
                 continue
-            vs_peer = "-" if fastest is None else f"{r['fwd_bwd_ms'] / fastest:.2f}x"
-            mem, floor = ("-", "-") if r["peak_extra_mib"] is None else (f"{r['peak_extra_mib']:.0f}", f"{r['floor_ratio']:.2f}x")
-            lines.append(f"| {shape} | {r['method']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {vs_peer} | {mem} | {floor} | "
-                         f"{_err(r, 'grad_x_err')} | {_err(r, 'grad_W_err')} |")
+            ratio = "" if fastest[s] is None else f" ({r['fwd_bwd_ms'] / fastest[s]:.2f}x)"
+            floor = "-" if r["peak_extra_mib"] is None else f"{r['floor_ratio']:.2f}x"
+            cells += [f"{r['fwd_bwd_ms']:.2f}{ratio}", floor, f"{_err(r, 'grad_x_err')} / {_err(r, 'grad_W_err')}"]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -95,7 +99,7 @@ def caption(data: dict, path: str) -> str:
                  f"errors shown" if unmeasured else "")
     return (f"{FRAMEWORKS[data['framework']]} on {env['device']}, {dtypes}, {data['data']} data, {env['date'][:10]}; "
             f"{versions} (`{path}`). N x D x V: {shapes}. x fastest peer: fwd+bwd time over the fastest "
-            f"non-ours method's at that shape; x floor: peak extra memory over the bytes of grad_input + "
+            f"non-ours method's at that shape; x floor: peak memory beyond the inputs over the bytes of grad_input + "
             f"grad_weight; errors relative to float64{no_errors}. Skipped: {skipped}.\n")
 
 

@@ -2,6 +2,7 @@
 
 from interop.options import CrossEntropyOptions, ProblemShape, check_inputs
 from interop.reference import ReferenceResult, linear_cross_entropy_reference
+from interop.tuning import Tuning
 
 __all__ = [
     "CrossEntropyOptions",
@@ -9,4 +10,5 @@ __all__ = [
     "check_inputs",
     "ReferenceResult",
     "linear_cross_entropy_reference",
+    "Tuning",
 ]

@@ -12,18 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from interop.options import DEFAULT_IGNORE_INDEX, FLOAT_DTYPES, INT_DTYPES, REDUCTIONS, _as_float, check_bias
+from interop.options import DEFAULT_IGNORE_INDEX, FLOAT_DTYPES, INT_DTYPES, _as_float, check_bias, check_reduction
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-
-
-def check_reduction(reduction: str, num_items_in_batch=None) -> None:
-    """reduction is one of REDUCTIONS; num_items_in_batch (the denominator replacing the
-    valid-row count of "mean", for gradient accumulation) goes with "mean" only."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if num_items_in_batch is not None and reduction != "mean":
-        raise ValueError(f"num_items_in_batch replaces the denominator of reduction='mean'; got reduction={reduction!r}")
 
 
 def _positive(name: str, value) -> float:

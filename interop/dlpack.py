@@ -4,7 +4,7 @@
 CUDA) or refuse with a ValueError that says why and what to do; they never copy behind
 the caller's back. On CUDA the consumer never reads a buffer its producer is still writing:
 torch -> JAX is ordered by the DLPack stream protocol (JAX passes its stream, torch makes
-it wait for its own; measured on an H100, tests/test_dlpack.py), and to_torch waits for
+it wait for its own; tests/test_dlpack.py checks it on a GPU), and to_torch waits for
 the JAX array to be ready.
 
 `to_jax` refuses: tensors that require grad (pass ``tensor.detach()``; gradients don't

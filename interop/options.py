@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from interop.tuning import DEFAULT as DEFAULT_TUNING, Tuning
+
 REDUCTIONS = ("none", "sum", "mean")
 STRATEGIES = ("auto", "speed", "memory", "chunked")
 WEIGHT_LAYOUTS = ("VD", "DV")
@@ -92,13 +94,16 @@ def check_inputs(
     class_weight_shape: tuple | None = None,
     class_weight_dtype: str | None = None,
     weight_layout: str = "VD",
+    classes: int | None = None,
 ) -> ProblemShape:
     """Check shapes and dtypes of one call; return its sizes.
 
     Shapes are tuples of ints, dtypes are names such as "bfloat16". ``weight_shape`` is
     [V, D] for ``weight_layout="VD"`` (nn.Linear, tied embeddings) or [D, V] for "DV"
-    (Flax nnx.Linear's kernel). Raises ValueError for shapes, ranks and layouts, and
-    TypeError for dtypes, naming the argument and what it got.
+    (Flax nnx.Linear's kernel). ``classes``: the classes the targets and class weights
+    index, when the head holds only a slice of them (a head split over the vocabulary);
+    ProblemShape.vocab is then ``classes``. Raises ValueError for shapes, ranks and
+    layouts, and TypeError for dtypes, naming the argument and what it got.
     """
     input_shape, weight_shape, target_shape = tuple(input_shape), tuple(weight_shape), tuple(target_shape)
     if weight_layout not in WEIGHT_LAYOUTS:
@@ -127,6 +132,7 @@ def check_inputs(
     if target_shape != lead_shape:
         raise ValueError(f"target must have shape {lead_shape} (input {input_shape} without its last dimension), got {target_shape}")
     check_bias(bias_shape, bias_dtype, vocab, weight_shape, input_dtype)
+    vocab = vocab if classes is None else classes
     if class_weight_shape is not None:
         if tuple(class_weight_shape) != (vocab,):
             raise ValueError(f"weight (class weights) must have shape ({vocab},), got {tuple(class_weight_shape)}")
@@ -135,11 +141,21 @@ def check_inputs(
     return ProblemShape(lead_shape=lead_shape, n_rows=math.prod(lead_shape), hidden=hidden, vocab=vocab)
 
 
+def check_reduction(reduction: str, num_items_in_batch=None) -> None:
+    """reduction is one of REDUCTIONS; num_items_in_batch (the denominator replacing the
+    valid-row count of "mean", for gradient accumulation) goes with "mean" only."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(f"num_items_in_batch replaces the denominator of reduction='mean'; got reduction={reduction!r}")
+
+
 def check_strategy(strategy: str) -> str:
     """How the loss is computed (same meaning in both frameworks):
 
-    "auto": the kernels where they run (CUDA), choosing "speed" unless its extra memory
-        would not fit comfortably, else "chunked";
+    "auto": the kernels where they run (CUDA), choosing "speed" when its extra memory
+        takes at most a quarter of the free GPU memory, else "memory"; "chunked" where the
+        kernels don't run;
     "speed": kernels, fewest flops (gradients in the forward pass where possible);
     "memory": kernels, least memory (logits recomputed in the backward pass);
     "chunked": the pure-framework path (also what "speed" and "memory" fall back to
@@ -164,18 +180,14 @@ def check_filter_eps(filter_eps):
     return e
 
 
-MIN_CHUNK_ROWS = 64
-
-
-def default_chunk_rows(n_rows: int, hidden: int, vocab: int) -> int:
-    """Rows per chunk of the chunked paths: a chunk's logits about as large as the input.
-
-    ceil(N * D / V) rows (so the C x V block holds about N x D values: the extra memory
-    stays of the order of the hidden states), at least MIN_CHUNK_ROWS for matrix-product
-    efficiency, at most N.
-    """
-    rows = -(-n_rows * hidden // max(vocab, 1))
-    return max(1, min(n_rows, max(MIN_CHUNK_ROWS, rows)))
+def check_tuning(tuning):
+    """The call's `interop.tuning.Tuning`: the default for None, else a TypeError naming the
+    argument for anything but a Tuning."""
+    if tuning is None:
+        return DEFAULT_TUNING
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning must be None or an interop.tuning.Tuning, got {type(tuning).__name__}")
+    return tuning
 
 
 def target_out_of_range_message(bad_target: int, vocab: int, ignore_index: int) -> str:

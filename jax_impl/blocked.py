@@ -3,8 +3,8 @@ statistics and dz by the Pallas kernels of `jax_impl.kernels`; the same strategi
 blocks (interop.blocking) as `torch_impl.blocked`.
 
 - "speed": blocks of whole rows. When the loss is reduced and no lse is returned, the
-  custom_vjp's forward rule (which runs only under differentiation) forms the gradients
-  block by block (6 N D V flops) and the backward rule scales them; grad_weight is
+  custom_vjp's forward rule (`jax_impl.function`, which runs only under differentiation)
+  forms the gradients block by block (6 N D V flops) and the backward rule scales them; grad_weight is
   accumulated in fp32 (or the input dtype with accumulate_in_input_dtype).
 - "memory": the forward rule takes the statistics from `jax_impl.fused_stats`, which
   forms no logits block; blocks of rows and vocabulary columns in the backward rule,
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from interop.blocking import (block_shape, kernel_memory_block_shape, skipping_pays, whole_row_memory_block_rows,
                               xla_memory_block_shape)
 from interop.options import CrossEntropyOptions
+from interop.tuning import Tuning
 from jax_impl.fused_stats import row_stats
 from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl import row_products
@@ -39,20 +40,14 @@ from jax_impl.rows import (TargetRows, kept_first, reduce_loss, row_coefficients
                            unfolded_count)
 from jax_impl.sharding import vary_like
 
-# Skipping ignored rows, "speed" computes the kept rows after its last full block in blocks
-# this many times smaller (H100, L: the 410 kept rows of the last 2048-row block in one block
-# of 512, fwd+bwd 79.8 -> 77.4 ms). "memory" keeps its blocks: each row block reads all of W
-# (L, 4 x smaller tail blocks: 125 -> 132 ms).
-SPEED_TAIL_SPLIT = 4
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockedConfig:
     """Static configuration of one call (hashable: a nondiff argument of the custom_vjp)."""
 
     options: CrossEntropyOptions
     weight_layout: str
-    strategy: str
+    strategy: str  # the caller's: "speed" or "memory"
+    layout: str  # "rows": blocks of whole rows (gradients can be formed in the forward pass); "tiles": rows x columns
     block_rows: int
     block_cols: int
     accumulate_in_input_dtype: bool
@@ -60,49 +55,46 @@ class BlockedConfig:
     interpret: bool  # Pallas interpret mode (the arrays are not on a GPU)
     skip_ignored: bool  # compute only the row blocks holding rows whose target is not ignored
     fused_stats: bool  # a forward pass without gradients takes its statistics from `fused_stats.row_stats`
+    tuning: Tuning
     kernel_products: bool = False  # "memory" blocks multiplied by `row_products`' kernels, not XLA
 
     @property
     def tail_split(self) -> int:
         """row_loop's tail_split when skipping ignored rows."""
-        return SPEED_TAIL_SPLIT if self.strategy == "speed" else 1
+        return self.tuning.speed_tail_split if self.layout == "rows" else 1
 
     @property
     def grads_in_forward(self) -> bool:
-        return self.strategy == "speed" and self.options.reduction != "none" and not self.return_lse
+        return self.layout == "rows" and self.options.reduction != "none" and not self.return_lse
 
 
-def plan(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype, return_lse,
-         platform) -> BlockedConfig:
-    """The call's configuration. "memory" runs as "speed" in blocks of whole rows with a
-    16-bit grad_weight where PyTorch's does (interop.blocking.whole_row_memory_block_rows:
-    XLA owns grad_input's buffer, so the blocks do not grow into it as PyTorch's do), else
-    in blocks of rows and columns sized for XLA's temporaries (interop.blocking.
-    xla_memory_block_shape), unless fewer than MIN_BLOCK of those rows fit: then in such
-    blocks multiplied by `row_products`' kernels, which hold no GEMM workspace and no copy of
-    W's slices (interop.blocking.kernel_memory_block_shape: S, GPT-2's and Llama-2-7B's
-    heads). Either way a "memory" forward pass that forms no gradients
-    takes its statistics from `fused_stats.row_stats`, which writes no logits (H100, bf16,
-    10% of rows ignored, forward only: G 16.2 ms, L 26.1 ms, against 21.2 and 33.5 with
-    XLA's products and `kernels.block_stats`)."""
-    skip = not return_lse and skipping_pays(n_rows, hidden, vocab)
+def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
+         return_lse, platform) -> BlockedConfig:
+    """The call's configuration. "memory" takes blocks of whole rows with a 16-bit
+    grad_weight where PyTorch's does (interop.blocking.whole_row_memory_block_rows: XLA owns
+    grad_input's buffer, so the blocks do not grow into it as PyTorch's do), else blocks of
+    rows and columns sized for XLA's temporaries (interop.blocking.xla_memory_block_shape),
+    unless fewer than t.min_block of those rows fit: then such blocks multiplied by
+    `row_products`' kernels, which hold no GEMM workspace and no copy of W's slices
+    (interop.blocking.kernel_memory_block_shape: small heads). Either way a "memory" forward
+    pass that forms no gradients takes its statistics from `fused_stats.row_stats`, which
+    writes no logits."""
+    skip = not return_lse and skipping_pays(t, n_rows, hidden, vocab)
     itemsize = jnp.dtype(dtype).itemsize
     interpret = platform != "gpu"
     fused = strategy == "memory"
-    whole_rows = whole_row_memory_block_rows(n_rows, hidden, vocab, itemsize, skip) if fused else None
+    config = functools.partial(BlockedConfig, options, weight_layout, strategy, return_lse=return_lse,
+                               interpret=interpret, skip_ignored=skip, fused_stats=fused, tuning=t)
+    whole_rows = whole_row_memory_block_rows(t, n_rows, hidden, vocab, itemsize, skip) if fused else None
     if whole_rows:
-        return BlockedConfig(options, weight_layout, "speed", whole_rows, vocab, True, return_lse, interpret, skip,
-                             fused)
-    kernel_shape = kernel_memory_block_shape(n_rows, hidden, vocab, itemsize) if fused and itemsize <= 4 else None
+        return config("rows", whole_rows, vocab, True)
+    kernel_shape = kernel_memory_block_shape(t, n_rows, hidden, vocab, itemsize) if fused and itemsize <= 4 else None
     if kernel_shape:
-        return BlockedConfig(options, weight_layout, strategy, *kernel_shape, accumulate_in_input_dtype, return_lse,
-                             interpret, skip, fused, kernel_products=True)
+        return config("tiles", *kernel_shape, accumulate_in_input_dtype, kernel_products=True)
     if strategy == "memory":
-        rows, cols = xla_memory_block_shape(n_rows, hidden, vocab, itemsize)
-    else:
-        rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip)
-    return BlockedConfig(options, weight_layout, strategy, rows, cols, accumulate_in_input_dtype, return_lse, interpret,
-                         skip, fused)
+        return config("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize), accumulate_in_input_dtype)
+    return config("rows", *block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip),
+                  accumulate_in_input_dtype)
 
 
 class Head:
@@ -182,7 +174,7 @@ def _wide(a):
     return jnp.float64 if a.dtype == jnp.float64 else jnp.float32
 
 
-class _Problem(Head):
+class Problem(Head):
     """A cross-entropy call: the head in cfg's column blocks plus the options and target
     facts; its column blocks' products are `row_products`' kernels with cfg.kernel_products."""
 
@@ -210,12 +202,12 @@ class _Problem(Head):
         return row_products.add_grad_weight(dW, dz, x_R, v0, self.vd, self.cfg.interpret)
 
 
-def _bias_grad_buffer(prob: _Problem, b_V):
+def _bias_grad_buffer(prob: Problem, b_V):
     """The fp32 [V] accumulator of grad_bias, or None without a bias (no column sums of dz)."""
     return None if b_V is None else jnp.zeros((prob.vocab,), jnp.float32)
 
 
-def _stats_of_block(prob: _Problem, z, v0, y_R, stats):
+def _stats_of_block(prob: Problem, z, v0, y_R, stats):
     opts = prob.cfg.options
     return block_stats(z, v0_array(v0), prob.b, prob.cw, y_R, stats, opts.softcap, opts.label_smoothing > 0,
                        prob.cfg.interpret)
@@ -227,19 +219,20 @@ def _initial_stats(R: int):
     return jnp.full((R,), -jnp.inf, jnp.float32), zeros, zeros, zeros
 
 
-def _stats(prob: _Problem, x_RD, y_R):
+def _stats(prob: Problem, x_RD, y_R):
     """(lse, s_y, ws) [R] of a row block, over all its column blocks."""
     body = lambda v0, cols, stats: _stats_of_block(prob, prob.col_logits(x_RD, v0, cols), v0, y_R, stats)
     m, l, s_y, ws = prob.col_loop(body, _initial_stats(x_RD.shape[0]))
     return m + jnp.log(l), s_y, ws
 
 
-def _fused_row_stats(prob: _Problem, x_ND):
+def _fused_row_stats(prob: Problem, x_ND):
     """(lse, s_y, ws) [N] from `fused_stats.row_stats`: of the rows to compute (`prob.keep`,
     gathered first), the others 0."""
     opts = prob.cfg.options
     stats = functools.partial(row_stats, W=prob.W, b_V=prob.b, cw_V=prob.cw, weight_layout=prob.cfg.weight_layout,
-                              softcap=opts.softcap, need_ws=opts.label_smoothing > 0, interpret=prob.cfg.interpret)
+                              softcap=opts.softcap, need_ws=opts.label_smoothing > 0, interpret=prob.cfg.interpret,
+                              programs=prob.cfg.tuning.fused_stats_programs)
     if prob.keep is None:
         return stats(x_ND, y_N=prob.rows.safe_y, n_rows=x_ND.shape[0])
     order = kept_first(prob.keep)
@@ -247,10 +240,10 @@ def _fused_row_stats(prob: _Problem, x_ND):
     return tuple(jnp.zeros_like(a).at[order].set(a, unique_indices=True) for a in kept)
 
 
-def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
+def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
     """(loss, lse [N], grads) where grads = (dx, dW, db) for an upstream gradient of 1 if
     with_grads (whole-row blocks), else None."""
-    prob = _Problem(x_ND, W, b_V, cw_V, y_N, cfg)
+    prob = Problem(x_ND, W, b_V, cw_V, y_N, cfg)
     rows, n = prob.rows, x_ND.shape[0]
     opts = cfg.options
     if cfg.fused_stats and not with_grads:
@@ -293,12 +286,27 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
     return loss, lse, (outs[3], dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype))
 
 
-def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig):
+def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig):
     """(dx, dW, db) recomputing the logits block by block."""
-    prob = _Problem(x_ND, W, b_V, cw_V, y_N, cfg)
-    rows = prob.rows
+    prob = Problem(x_ND, W, b_V, cw_V, y_N, cfg)
+    coefs = row_coefficients(g_loss, g_lse, lse_N, prob.rows, prob.cw_sum, cfg.options, prob.vocab)
+    return gradients(prob, x_ND, prob.rows.safe_y, lse_N, coefs, prob.keep)
+
+
+def row_statistics(prob: Problem, x_ND, y_N):
+    """(lse, s_y, ws) [N] over the head's classes, in row blocks of rows x columns; y [N]
+    int32 column indices (any other value, such as -1, picks no column: s_y 0)."""
+    step = lambda carry, xs: (carry, _stats(prob, *xs))
+    return row_loop(step, None, (x_ND, y_N), x_ND.shape[0], prob.cfg.block_rows)[1]
+
+
+def gradients(prob: Problem, x_ND, y_N, lse_N, coefs, keep=None):
+    """(dx, dW, db) for the per-row coefficients coefs = (P, T, S) of dz
+    (interop/SPEC.md) and lse [N], recomputing the logits block by block; y [N] int32 column
+    indices (T's one-hot lands on column y, none for any other value); keep: the rows to
+    compute (`rows.row_loop`), or None for all."""
+    cfg, b_V, W = prob.cfg, prob.b, prob.W
     opts = cfg.options
-    p_coef, t_coef, s_coef = row_coefficients(g_loss, g_lse, lse_N, rows, prob.cw_sum, opts, prob.vocab)
 
     def row_step(carry, xs):
         x_R, y_R, lse_R, p_R, t_R, s_R = xs
@@ -312,37 +320,8 @@ def _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig)
         dW, db, dx_acc = prob.col_loop(body, (dW, db, jnp.zeros(x_R.shape, jnp.float32)))
         return (dW, db), (dx_acc.astype(x_R.dtype),)
 
-    per_row = (x_ND, rows.safe_y, lse_N, p_coef, t_coef, s_coef)
+    per_row = (x_ND, y_N, lse_N) + tuple(coefs)
     acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else jnp.float32
     init = (jnp.zeros(W.shape, acc), _bias_grad_buffer(prob, b_V))
-    (dW, db), (dx,) = row_loop(row_step, init, per_row, x_ND.shape[0], cfg.block_rows, prob.keep, cfg.tail_split)
+    (dW, db), (dx,) = row_loop(row_step, init, per_row, x_ND.shape[0], cfg.block_rows, keep, cfg.tail_split)
     return dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def blocked_linear_cross_entropy(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
-    """(loss, lse [N]) over flattened rows x [N, D], y [N] (int32); fp32."""
-    loss, lse, _ = _forward(x_ND, W, b_V, cw_V, y_N, cfg, with_grads=False)
-    return loss, lse
-
-
-def _fwd(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
-    if cfg.grads_in_forward:
-        loss, lse, grads = _forward(x_ND, W, b_V, cw_V, y_N, cfg, with_grads=True)
-        return (loss, lse), grads
-    loss, lse, _ = _forward(x_ND, W, b_V, cw_V, y_N, cfg, with_grads=False)
-    return (loss, lse), (x_ND, W, b_V, cw_V, y_N, lse)
-
-
-def _bwd(cfg: BlockedConfig, res, cotangents):
-    g_loss, g_lse = cotangents
-    if cfg.grads_in_forward:  # lse is not returned to the caller: its cotangent is zero
-        dx, dW, db = res
-        scale = lambda g: None if g is None else (g * g_loss.astype(jnp.float32)).astype(g.dtype)
-        return scale(dx), scale(dW), scale(db), None, None
-    x_ND, W, b_V, cw_V, y_N, lse = res
-    dx, dW, db = _backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse, cfg)
-    return dx, dW, db, None, None
-
-
-blocked_linear_cross_entropy.defvjp(_fwd, _bwd)

@@ -16,9 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import block_shape
+from interop.blocking import block_shape, chunk_rows
 from interop.distillation import DenseDistillationOptions
-from interop.options import default_chunk_rows
+from interop.tuning import Tuning
 from jax_impl.blocked import Head
 from jax_impl.distill_ops import KernelOps, XlaOps
 from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, put_entries, reduce_rows, row_weights,
@@ -57,14 +57,14 @@ class DistillConfig:
         return compute_dtype(dtype)
 
 
-def plan_distillation(options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
+def plan_distillation(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
                       platform) -> DistillConfig:
     """The blocks of one call; a dense teacher's logits are blocked beside the student's (2 buffers)."""
     if strategy == "chunked":
-        rows, cols = default_chunk_rows(n_rows, hidden, vocab), vocab
+        rows, cols = chunk_rows(t, n_rows, hidden, vocab), vocab
     else:
         buffers = 2 if isinstance(options, DenseDistillationOptions) else 1
-        rows, cols = block_shape(strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize, buffers)
+        rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize, buffers)
     return DistillConfig(options, weight_layout, strategy, rows, cols, vocab, accumulate_in_input_dtype,
                          interpret=platform != "gpu")
 

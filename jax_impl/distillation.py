@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_reduction,
+from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs,
                                   check_topk_inputs, teacher_id_out_of_range_message)
-from interop.options import check_strategy, target_out_of_range_message
+from interop.options import check_reduction, check_strategy, check_tuning, target_out_of_range_message
+from interop.tuning import Tuning
 from jax_impl.distill_blocked import dense_distillation, plan_distillation, topk_distillation
 from jax_impl.distill_rows import TopKTeacher, valid_rows
-from jax_impl.functional import as_array, choose_strategy, dtype_name, maybe_array, platform_of, shape_of
+from jax_impl.functional import as_array, choose_strategy, denominator, dtype_name, maybe_array, platform_of, shape_of
 from jax_impl.rows import compute_dtype, narrow_indices, narrow_targets
 from jax_impl.sharding import on_mesh, row_spec
 
@@ -22,14 +23,6 @@ from jax_impl.sharding import on_mesh, row_spec
 def _rows_out_specs(input, reduction: str):
     """The output's PartitionSpec under an explicit mesh: the input's rows for "none"."""
     return lambda: row_spec(input) if reduction == "none" else P()
-
-
-def _num_items(num_items_in_batch, dtype):
-    if num_items_in_batch is None:
-        return None
-    if isinstance(num_items_in_batch, (int, float)) and (isinstance(num_items_in_batch, bool) or not num_items_in_batch > 0):
-        raise ValueError(f"num_items_in_batch must be a number > 0 or an array, got {num_items_in_batch!r}")
-    return jnp.asarray(num_items_in_batch, dtype)
 
 
 def _raise_if_concrete(bad_N, values_N, message) -> None:
@@ -46,7 +39,8 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
                              tail_bucket: bool = False, temperature_squared: bool = True, weight_soft: float = 1.0,
                              weight_hard: float = 0.0, reduction: str = "mean", num_items_in_batch=None,
                              ignore_index: int | None = -100, softcap: float | None = None, weight_layout: str = "VD",
-                             strategy: str = "auto", accumulate_in_input_dtype: bool = False):
+                             strategy: str = "auto", accumulate_in_input_dtype: bool = False,
+                             tuning: Tuning | None = None):
     """Distillation from a top-K sparse teacher, fused with the student's head.
 
     The arguments of `torch_impl.linear_topk_distillation` (interop/SPEC-DISTILLATION.md):
@@ -64,6 +58,7 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
     o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
                                 weight_hard, reduction, ignore_index, softcap)
     check_strategy(strategy)
+    tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
     input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
     teacher_ids, teacher_logprobs = as_array("teacher_ids", teacher_ids), as_array("teacher_logprobs", teacher_logprobs)
@@ -92,9 +87,9 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
         y_kernel = jnp.where(valid & ~bad_y, y, -1)
     wide = compute_dtype(input.dtype)
     platform = platform_of(input)
-    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, V, platform)
-    cfg = plan_distillation(o, weight_layout, strategy, n, shape.hidden, V, input.dtype, accumulate_in_input_dtype, platform)
-    num_items = _num_items(num_items_in_batch, wide)
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, V, platform, tuning)
+    cfg = plan_distillation(tuning, o, weight_layout, strategy, n, shape.hidden, V, input.dtype, accumulate_in_input_dtype, platform)
+    num_items = denominator(num_items_in_batch, wide)
 
     def rows(x, W, b, ids, logprobs, bad, valid, y_kernel, num_items):
         teacher = TopKTeacher.build(ids, logprobs.reshape(n, K), o.renormalize_teacher, wide, bad & valid)
@@ -109,7 +104,7 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
                         divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
                         temperature_squared: bool = True, reduction: str = "mean", num_items_in_batch=None,
                         ignore_index: int | None = -100, weight_layout: str = "VD", strategy: str = "auto",
-                        accumulate_in_input_dtype: bool = False):
+                        accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None):
     """Distillation from a dense teacher, both heads fused: no N x V buffer of either.
 
     The arguments of `torch_impl.linear_distillation` (interop/SPEC-DISTILLATION.md):
@@ -122,6 +117,7 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
     """
     o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
     check_strategy(strategy)
+    tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
     input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
     teacher_input, teacher_weight = as_array("teacher_input", teacher_input), as_array("teacher_weight", teacher_weight)
@@ -137,13 +133,13 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
     y, ignore32 = (None, o.ignore_index) if target is None else narrow_targets(target.reshape(n), vocab, o.ignore_index)
     valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), ignore32)
     platform = platform_of(input)
-    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, vocab, platform)
-    cfg = plan_distillation(o, weight_layout, strategy, n, shape.hidden, vocab, input.dtype, accumulate_in_input_dtype, platform)
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, vocab, platform, tuning)
+    cfg = plan_distillation(tuning, o, weight_layout, strategy, n, shape.hidden, vocab, input.dtype, accumulate_in_input_dtype, platform)
 
     def rows(x, W, xt, Wt, valid, num_items):
         xt_ND = jax.lax.stop_gradient(xt.reshape(n, shape.teacher_hidden))
         loss = dense_distillation(x.reshape(n, shape.hidden), W, xt_ND, jax.lax.stop_gradient(Wt), valid, num_items, cfg)
         return loss.reshape(shape.lead_shape) if reduction == "none" else loss
 
-    args = (input, linear_weight, teacher_input, teacher_weight, valid, _num_items(num_items_in_batch, compute_dtype(input.dtype)))
+    args = (input, linear_weight, teacher_input, teacher_weight, valid, denominator(num_items_in_batch, compute_dtype(input.dtype)))
     return on_mesh(rows, args, _rows_out_specs(input, reduction))

@@ -9,14 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from interop.blocking import speed_extra_bytes
-from interop.options import CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
+from interop.blocking import chunk_rows, speed_extra_bytes
+from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
+                             target_out_of_range_message)
+from interop.tuning import Tuning
 from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy
 from jax_impl.rows import narrow_targets
 from jax_impl.sharding import on_mesh, row_spec
 
 try:
     from jax_impl import blocked, kernels
+    from jax_impl.function import kernel_linear_cross_entropy
+    from jax_impl.vocab_parallel import config as vocab_parallel_config, vocab_parallel_cross_entropy
 except ImportError:  # no Pallas: the chunked path serves every call
     blocked = kernels = None
 
@@ -64,6 +68,30 @@ def _check_target_range(y_N, vocab: int, ignore_index: int) -> None:
         raise ValueError(target_out_of_range_message(int(y[bad][0]), vocab, ignore_index))
 
 
+def denominator(num_items_in_batch, dtype):
+    """num_items_in_batch (None, a number > 0, or an array) as the denominator of a mean, an
+    array in `dtype`; ValueError for a number <= 0."""
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, (int, float)) and (isinstance(num_items_in_batch, bool) or not num_items_in_batch > 0):
+        raise ValueError(f"num_items_in_batch must be a number > 0 or an array, got {num_items_in_batch!r}")
+    return jnp.asarray(num_items_in_batch, dtype)
+
+
+def _whole_vocab(linear_weight, weight_layout: str, axis) -> int | None:
+    """V of a head split over the mesh axis `axis` (inside shard_map): the local classes
+    times the axis' size."""
+    if not isinstance(axis, str):
+        raise TypeError(f"vocab_parallel must be the name of a mesh axis (a str), got {type(axis).__name__}")
+    if linear_weight.ndim != 2 or weight_layout not in ("VD", "DV"):
+        return None  # check_inputs names the problem
+    try:
+        size = jax.lax.psum(1, axis)
+    except NameError as e:
+        raise ValueError(f"vocab_parallel={axis!r} names no mesh axis of an enclosing jax.shard_map") from e
+    return linear_weight.shape[0 if weight_layout == "VD" else 1] * size
+
+
 def platform_of(x) -> str:
     """Where a call on `x` runs: its device's platform for a concrete array; under a trace
     (jit), JAX's default backend (arrays committed to another device are not seen there)."""
@@ -72,7 +100,7 @@ def platform_of(x) -> str:
     return next(iter(x.devices())).platform
 
 
-def choose_strategy(strategy: str, dtype, n_rows: int, hidden: int, vocab: int, platform: str) -> str:
+def choose_strategy(strategy: str, dtype, n_rows: int, hidden: int, vocab: int, platform: str, t: Tuning) -> str:
     """Resolve "auto" and route to "chunked" where the Pallas kernels can't run (not on a
     GPU unless LOGITLESS_PALLAS_INTERPRET=1, fp64, or a hidden size of 0: the kernels' blocks
     of x and W would have no columns; XLA's products of [N, 0] by [0, V] are zeros)."""
@@ -85,7 +113,7 @@ def choose_strategy(strategy: str, dtype, n_rows: int, hidden: int, vocab: int, 
         return "chunked"
     stats = jax.devices()[0].memory_stats() or {}
     free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    extra = speed_extra_bytes(n_rows, hidden, vocab, jnp.dtype(dtype).itemsize)
+    extra = speed_extra_bytes(t, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize)
     return "speed" if extra <= 0.25 * free else "memory"
 
 
@@ -106,6 +134,9 @@ def linear_cross_entropy(
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
     filter_eps: float | None = None,
+    tuning: Tuning | None = None,
+    num_items_in_batch=None,
+    vocab_parallel: str | None = None,
 ):
     """Cross-entropy of ``input @ W.T + linear_bias`` without the N x V logits.
 
@@ -131,14 +162,26 @@ def linear_cross_entropy(
         filter_eps: gradient filtering (interop.options.check_filter_eps), validated and
             accepted for the same call as PyTorch's; XLA's shapes are fixed when a function
             is traced, so no matrix product can be skipped and JAX computes every entry.
+        tuning: the block planner's numbers (interop.tuning.Tuning); None for the defaults.
+        num_items_in_batch: with reduction="mean", the denominator in place of the valid
+            rows' summed class weight (a number > 0 or an array), as in PyTorch.
+        vocab_parallel: inside `jax.shard_map`, the name of the mesh axis over which the head
+            is split by vocabulary: each device's linear_weight (and linear_bias) hold an
+            equal, contiguous slice of the classes in the axis' order; input, target and the
+            class weights (all V classes) are the same along the axis
+            (`jax_impl.vocab_parallel`). The loss and lse are global; grad_weight is the
+            device's slice, grad_input the full gradient. Runs the kernel strategies.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
         with ``return_lse``, the tuple (loss, lse [...]).
     """
-    opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
+    check_reduction(reduction, num_items_in_batch)
+    opts = CrossEntropyOptions("sum" if num_items_in_batch is not None else reduction, ignore_index, label_smoothing,
+                               z_loss, softcap)
     check_strategy(strategy)
     check_filter_eps(filter_eps)
+    tuning = check_tuning(tuning)
     input, linear_weight, target = as_array("input", input), as_array("linear_weight", linear_weight), as_array("target", target)
     linear_bias, weight = maybe_array("linear_bias", linear_bias), maybe_array("weight", weight)
     shape = check_inputs(
@@ -153,20 +196,32 @@ def linear_cross_entropy(
         class_weight_shape=shape_of(weight),
         class_weight_dtype=dtype_name(weight),
         weight_layout=weight_layout,
+        classes=None if vocab_parallel is None else _whole_vocab(linear_weight, weight_layout, vocab_parallel),
     )
     n, lead = shape.n_rows, shape.lead_shape
     _check_target_range(target, shape.vocab, opts.ignore_index)
     y, ignore32 = narrow_targets(target, shape.vocab, opts.ignore_index)
     opts = dataclasses.replace(opts, ignore_index=ignore32)
     platform = platform_of(input)
-    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, shape.vocab, platform)
+    local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
+    if vocab_parallel is not None:
+        if strategy == "chunked":
+            raise ValueError("vocab_parallel runs the kernel strategies (a GPU, or Pallas interpret mode), not "
+                             f"strategy='chunked' (platform {platform!r}, dtype {dtype_name(input)})")
+        cfg = vocab_parallel_config(blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, local_vocab,
+                                                 input.dtype, accumulate_in_input_dtype, return_lse, platform))
+        loss, lse = vocab_parallel_cross_entropy(input.reshape(n, shape.hidden), linear_weight, linear_bias, weight,
+                                                 y.reshape(n), cfg, vocab_parallel)
+        return _result(loss.reshape(lead) if opts.reduction == "none" else loss, lse.reshape(lead), return_lse,
+                       num_items_in_batch)
     if strategy == "chunked":
-        cfg = ChunkedConfig(opts, weight_layout, default_chunk_rows(n, shape.hidden, shape.vocab), accumulate_in_input_dtype)
+        cfg = ChunkedConfig(opts, weight_layout, chunk_rows(tuning, n, shape.hidden, shape.vocab), accumulate_in_input_dtype)
         run = chunked_linear_cross_entropy
     else:
-        cfg = blocked.plan(opts, weight_layout, strategy, n, shape.hidden, shape.vocab, input.dtype,
+        cfg = blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, shape.vocab, input.dtype,
                            accumulate_in_input_dtype, return_lse, platform)
-        run = blocked.blocked_linear_cross_entropy
+        run = kernel_linear_cross_entropy
 
     def rows(x, W, y, b, cw):
         loss, lse_N = run(x.reshape(n, shape.hidden), W, b, cw, y.reshape(n), cfg)
@@ -174,4 +229,11 @@ def linear_cross_entropy(
 
     out_specs = lambda: (row_spec(input) if opts.reduction == "none" else P(), row_spec(input))
     loss, lse = on_mesh(rows, (input, linear_weight, y, linear_bias, weight), out_specs)
+    return _result(loss, lse, return_lse, num_items_in_batch)
+
+
+def _result(loss, lse, return_lse: bool, num_items_in_batch):
+    """The call's return value: the loss (divided by num_items_in_batch when given), with lse."""
+    if num_items_in_batch is not None:
+        loss = loss / denominator(num_items_in_batch, loss.dtype)
     return (loss, lse) if return_lse else loss

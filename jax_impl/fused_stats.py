@@ -4,10 +4,9 @@ and merges every [BM, BN] tile of logits, in registers, into running per-row sta
 
 It serves the forward pass of "memory" (`jax_impl.blocked`), which only needs lse, the
 target's logit and, with label smoothing, the class-weighted sum of the logits: no logits
-block, no copy of W's column slices, no second pass over the logits (H100, bf16, the
-statistics of G's 7373 rows not ignored: 16.2 ms, 538 TFLOP/s, where XLA's product alone
-runs at ~800; the forward-only call 16.2 ms against 21.2 with XLA's products into blocks
-of 2816 x 6016 and `kernels.block_stats`). Each fp32 tile of logits is rounded to the
+block, no copy of W's column slices, no second pass over the logits, so a forward pass
+without gradients is faster than XLA's products into blocks followed by
+`kernels.block_stats`, although the product itself runs slower than XLA's. Each fp32 tile of logits is rounded to the
 input dtype before it enters the statistics: the backward pass recomputes the logits in
 that dtype (XLA's products, `row_products.logits`), and p = exp(s - lse) from those sums
 to 1 only if lse comes from the same values (fp32 statistics against bf16 logits make the
@@ -24,13 +23,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from interop.tuning import FUSED_STATS_K_BYTES, FUSED_STATS_PARAMS, FUSED_STATS_TILE
 from jax_impl.kernels import max_keep_nan, pallas, reduce_max_keep_nan
 
-BM, BN = 128, 256  # rows, vocabulary columns of a logits tile
-K_BYTES = 128  # bytes of the hidden dimension per step of the product (64 16-bit values, 32 fp32)
-TRITON_PARAMS = dict(num_warps=8, num_stages=4)
-PROGRAMS = 1056  # the vocabulary is split so that about this many programs run: 8 per SM of an H100, so the
-# last, partial wave costs little (G: 290 programs 18.9 ms, 986 programs 16.2 ms)
+BM, BN = FUSED_STATS_TILE  # rows, vocabulary columns of a logits tile
 
 
 def _kernel(n_ref, x_ref, w_ref, *refs, N, V, D, bk, split, vd, cap, has_bias, has_cw, need_ws):
@@ -91,21 +87,23 @@ def _kernel(n_ref, x_ref, w_ref, *refs, N, V, D, bk, split, vd, cap, has_bias, h
             plt.store(ref.at[s, pl.ds(i * BM, BM)], value, mask=row_mask)
 
 
-def row_stats(x_ND, W, b_V, cw_V, y_N, n_rows, weight_layout: str, softcap, need_ws: bool, interpret: bool):
+def row_stats(x_ND, W, b_V, cw_V, y_N, n_rows, weight_layout: str, softcap, need_ws: bool, interpret: bool,
+              programs: int):
     """(lse, s_y, ws), fp32 [N] each, of the logits s = softcap(x W^T + b) of x's first
     n_rows rows (an int32 scalar, may be traced); the other rows get 0. W is [V, D]
     ("VD") or [D, V] ("DV"); y [N] int32 targets in [0, V) (s_y = s[y]); ws = sum_j cw_j
     s_j (cw = 1 without class weights), 0 unless need_ws. x and W: bf16, fp16 or fp32
-    (fp32 products in full fp32); x W^T is rounded to x's dtype, as the backward pass's."""
+    (fp32 products in full fp32); x W^T is rounded to x's dtype, as the backward pass's.
+    programs: about how many programs to run (the vocabulary is split to reach it)."""
     N, D = x_ND.shape
     V = W.shape[0] if weight_layout == "VD" else W.shape[1]
     if N == 0:
         return (jnp.zeros((0,), jnp.float32),) * 3
     row_tiles = pl.cdiv(N, BM)
-    splits = max(1, min(pl.cdiv(V, BN), pl.cdiv(PROGRAMS, row_tiles)))
+    splits = max(1, min(pl.cdiv(V, BN), pl.cdiv(programs, row_tiles)))
     split = pl.cdiv(pl.cdiv(V, splits), BN) * BN
     splits = pl.cdiv(V, split)  # none empty
-    kernel = functools.partial(_kernel, N=N, V=V, D=D, bk=K_BYTES // x_ND.dtype.itemsize, split=split,
+    kernel = functools.partial(_kernel, N=N, V=V, D=D, bk=FUSED_STATS_K_BYTES // x_ND.dtype.itemsize, split=split,
                                vd=weight_layout == "VD", cap=softcap, has_bias=b_V is not None,
                                has_cw=cw_V is not None, need_ws=need_ws)
     n = jnp.asarray(n_rows, jnp.int32).reshape(1)
@@ -115,7 +113,7 @@ def row_stats(x_ND, W, b_V, cw_V, y_N, n_rows, weight_layout: str, softcap, need
         out_shape=[jax.ShapeDtypeStruct((splits, N), jnp.float32)] * 4,
         grid=(row_tiles, splits),
         interpret=interpret,
-        compiler_params=plt.CompilerParams(**TRITON_PARAMS),
+        compiler_params=plt.CompilerParams(**FUSED_STATS_PARAMS),
     )(n, x_ND, W, *extras, y_N)
     computed = jnp.arange(N) < n[0]
     m_max = m.max(0)

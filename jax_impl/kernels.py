@@ -32,10 +32,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from interop.tuning import BLOCK_COLS, JAX_ROW_KERNEL_PARAMS
 from jax_impl.sharding import struct, vary, varying_axes
 
-BLOCK_C = 2048
-TRITON_PARAMS = dict(num_warps=8, num_stages=1)  # the row kernels' launch parameters
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -229,7 +228,7 @@ def v0_array(v0):
 
 
 def _block(C: int) -> int:
-    return min(BLOCK_C, pl.next_power_of_2(C))
+    return min(BLOCK_COLS, pl.next_power_of_2(C))
 
 
 def _extras(b_V, cw_V):
@@ -251,7 +250,7 @@ def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool, interpr
         grid=(R,),
         input_output_aliases={first_stat + k: k for k in range(4)},
         interpret=interpret,
-        compiler_params=plt.CompilerParams(**TRITON_PARAMS),
+        compiler_params=plt.CompilerParams(**JAX_ROW_KERNEL_PARAMS),
     )(*args)
 
 
@@ -270,5 +269,5 @@ def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, interpre
         grid=(R,),
         input_output_aliases={1: 0},
         interpret=interpret,
-        compiler_params=plt.CompilerParams(**TRITON_PARAMS),
+        compiler_params=plt.CompilerParams(**JAX_ROW_KERNEL_PARAMS),
     )(v0, z_RC, *_extras(b_V, cw_V), y_R, lse_R, p_R, t_R, s_R, p2_R, lse2_R)

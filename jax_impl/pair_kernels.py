@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jax_impl.kernels import TRITON_PARAMS, _block, _load_scalar, _store_scalar, column_loop, max_keep_nan, pallas
+from interop.tuning import JAX_ROW_KERNEL_PARAMS
+from jax_impl.kernels import _block, _load_scalar, _store_scalar, column_loop, max_keep_nan, pallas
 
 
 def _log_probs(s_ref, t_ref, row, start, block, mask, inv_t, lse_s, lse_t):
@@ -87,7 +88,7 @@ def pair_sums(s_RC, t_RC, lse_s_R, lse_t_R, sums, divergence: str, temperature: 
                                block=_block(C))
     return pallas(
         kernel, out_shape=[jax.ShapeDtypeStruct((R,), jnp.float32)] * 2, grid=(R,),
-        input_output_aliases={4: 0, 5: 1}, interpret=interpret, compiler_params=plt.CompilerParams(**TRITON_PARAMS),
+        input_output_aliases={4: 0, 5: 1}, interpret=interpret, compiler_params=plt.CompilerParams(**JAX_ROW_KERNEL_PARAMS),
     )(s_RC, t_RC, lse_s_R, lse_t_R, *sums)
 
 
@@ -98,5 +99,5 @@ def pair_grad(s_RC, t_RC, lse_s_R, lse_t_R, b_R, coef_R, divergence: str, temper
                                block=_block(C))
     return pallas(
         kernel, out_shape=jax.ShapeDtypeStruct((R, C), s_RC.dtype), grid=(R,),
-        input_output_aliases={0: 0}, interpret=interpret, compiler_params=plt.CompilerParams(**TRITON_PARAMS),
+        input_output_aliases={0: 0}, interpret=interpret, compiler_params=plt.CompilerParams(**JAX_ROW_KERNEL_PARAMS),
     )(s_RC, t_RC, lse_s_R, lse_t_R, b_R, coef_R)

@@ -1,12 +1,11 @@
 """The three matrix products of JAX "memory"'s blocks of rows and vocabulary columns as
 Pallas kernels (Triton lowering, fp32 accumulation), for heads too small for XLA's products
-(`interop.blocking.kernel_memory_block_shape`): those keep a 32 MiB cuBLAS workspace among
-the temporaries, alone more than the memory-first bound's tenth of the gradients' bytes at
-S (70 MiB), GPT-2's or Llama-2-7B's head, and copy each column block's slice of W. These
-kernels hold no workspace and read W, and write grad_weight, in place at the block's first
-class v0 (an int or an int32 scalar). On larger heads XLA's products stay: they are faster
-(H100, bf16, one block of 373 whole rows at L: logits 0.61 / grad_input 0.76 /
-grad_weight += 1.24 ms against cuBLAS's 0.57 / 0.55 / 0.93).
+(`interop.blocking.kernel_memory_block_shape`): those keep a cuBLAS workspace among the
+temporaries (`Tuning.xla_gemm_workspace`), alone more than the memory-first bound's tenth
+of the gradients' bytes at small heads (GPT-2's, Llama-2-7B's), and copy each column
+block's slice of W. These kernels hold no workspace and read W, and write grad_weight, in
+place at the block's first class v0 (an int or an int32 scalar). On larger heads XLA's
+products stay: they are faster.
 
 - `logits(x_RD, W, v0, cols)`: z = x W_c^T [R, cols] in x's dtype.
 - `add_grad_input(dx_RD, dz_RC, W, v0)`: dx + dz W_c into the fp32 accumulator dx.
@@ -25,12 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from interop.tuning import GRAD_INPUT_TILE, GRAD_WEIGHT_TILE, LOGITS_TILE
 from jax_impl.kernels import pallas, v0_array
 
-# (output tile rows, output tile columns, K step in bytes of one operand row, warps, stages)
-LOGITS_TILE = (128, 256, 128, 8, 4)  # [rows, classes]
-GRAD_INPUT_TILE = (64, 256, 128, 4, 4)  # [rows, hidden]
-GRAD_WEIGHT_TILE = (256, 128, 64, 8, 4)  # [classes, hidden] ([hidden, classes] for "DV")
 
 
 def _span(start, size: int, bound: int):

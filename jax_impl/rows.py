@@ -167,7 +167,7 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     if not rest:
         return state
     # A loop of 0 or 1 trips, not lax.cond: XLA copies a carry that a conditional passes
-    # through, which cost one more grad_weight (H100, L, whole-row blocks: 1.94 x the floor).
+    # through, which costs one more grad_weight.
     last = n_rows - rest
     return blocks(state, last, (n_kept > last).astype(jnp.int32), rest)
 
@@ -179,7 +179,6 @@ def kept_first(keep):
 
 def unfolded_count(count):
     """An int32 loop trip count that XLA cannot fold (optimization_barrier). A loop that XLA
-    knows runs once becomes a call of its own, whose temporaries it did not share with the
-    other loops' (H100, JAX "memory": L in whole rows 1.99 x the floor, in a loop 1.095 x; G
-    in blocks of 2816 rows 1.114 x, in a loop 1.085 x)."""
+    knows runs once becomes a call of its own, whose temporaries XLA does not share with
+    the other loops' (JAX "memory" then holds about one more grad_weight)."""
     return jax.lax.optimization_barrier(jnp.asarray(count, jnp.int32))

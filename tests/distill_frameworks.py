@@ -1,16 +1,19 @@
 """Distillation test inputs and one runner per framework (as tests/frameworks.py does for
 cross-entropy): a problem of numpy arrays exact in the test dtype, the float64 reference,
-and `run(framework, strategy, problem, options, grad_output)` returning float64 numpy."""
+`run(framework, strategy, problem, options, grad_output, tuning=...)` returning float64
+numpy, and the cases the distillation tests share (CASES, `case_inputs`, `errors`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import numpy as np
 
 from interop.distill_reference import linear_distillation_reference, linear_topk_distillation_reference
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
-from tests.frameworks import _NUMPY_DTYPE, round_to
+from interop.tuning import DEFAULT, Tuning
+from tests.frameworks import _NUMPY_DTYPE, rel_err, round_to
 
 
 def topk_teacher(rng, n, vocab, k, duplicates=False):
@@ -80,7 +83,7 @@ def reference(p: DistillProblem, options: dict, grad_output, num_items=None):
     return linear_distillation_reference(p.x, p.W, *p.teacher, **common)
 
 
-def _torch_run(strategy, p: DistillProblem, options, grad_output, num_items, device):
+def _torch_run(strategy, p: DistillProblem, options, grad_output, num_items, device, tuning):
     import torch
 
     import torch_impl
@@ -90,7 +93,7 @@ def _torch_run(strategy, p: DistillProblem, options, grad_output, num_items, dev
     x, W = t(p.x, dt).requires_grad_(), t(p.W, dt).requires_grad_()
     b = None if p.b is None else t(p.b, dt).requires_grad_()
     common = dict(target=t(p.y), row_mask=t(p.mask), weight_layout=p.weight_layout, strategy=strategy,
-                  num_items_in_batch=num_items, **options)
+                  num_items_in_batch=num_items, tuning=tuning, **options)
     if p.kind == "topk":
         loss = torch_impl.linear_topk_distillation(x, W, t(p.teacher[0]), t(p.teacher[1]), linear_bias=b, **common)
     else:
@@ -105,7 +108,7 @@ def _torch_run(strategy, p: DistillProblem, options, grad_output, num_items, dev
     return {k: v.detach().double().cpu().numpy() for k, v in out.items()}
 
 
-def _jax_run(strategy, p: DistillProblem, options, grad_output, num_items):
+def _jax_run(strategy, p: DistillProblem, options, grad_output, num_items, tuning):
     import jax
     import jax.numpy as jnp
 
@@ -119,7 +122,7 @@ def _jax_run(strategy, p: DistillProblem, options, grad_output, num_items):
 
     def f(a):
         common = dict(target=maybe(p.y), row_mask=maybe(p.mask), weight_layout=p.weight_layout, strategy=strategy,
-                      num_items_in_batch=num_items, **options)
+                      num_items_in_batch=num_items, tuning=tuning, **options)
         if p.kind == "topk":
             return jax_impl.linear_topk_distillation(a["x"], a["W"], jnp.asarray(p.teacher[0]), jnp.asarray(p.teacher[1]),
                                                      linear_bias=a.get("b"), **common)
@@ -137,11 +140,49 @@ def _jax_run(strategy, p: DistillProblem, options, grad_output, num_items):
     return {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in out.items()}
 
 
-def run(framework: str, strategy: str, p: DistillProblem, options: dict, grad_output, num_items=None, device="cpu"):
+def run(framework: str, strategy: str, p: DistillProblem, options: dict, grad_output, num_items=None, device="cpu",
+        tuning: Tuning = DEFAULT):
     """Loss and gradients (grad_x, grad_W, grad_b when there is a bias) as float64 numpy."""
     if framework == "torch":
-        return _torch_run(strategy, p, options, grad_output, num_items, device)
-    return _jax_run(strategy, p, options, grad_output, num_items)
+        return _torch_run(strategy, p, options, grad_output, num_items, device, tuning)
+    return _jax_run(strategy, p, options, grad_output, num_items, tuning)
 
 
 IMPLEMENTATIONS = [(f, s) for f in ("torch", "jax") for s in ("chunked", "speed", "memory")]
+
+# name: (options, make_problem keyword arguments[, num_items_in_batch])
+TOPK_CASES = {
+    "defaults": (dict(), dict()),
+    "T2-hard-bias": (dict(temperature=2.0, weight_soft=0.8, weight_hard=0.5), dict(bias=True, target=True)),
+    "tail-none-softcap-dups": (dict(renormalize_teacher=False, tail_bucket=True, softcap=4.0, reduction="none"),
+                               dict(duplicates=True)),
+    "T07-sum-mask-dv-3d": (dict(temperature=0.7, temperature_squared=False, reduction="sum"),
+                           dict(mask=True, target=True, weight_layout="DV", lead=(2, 7))),
+    "hard-T1-count": (dict(weight_hard=1.0), dict(target=True), 30.0),
+}
+DENSE_CASES = {
+    "forward-kl": (dict(), dict()),
+    "reverse-kl-T2-sum-target": (dict(divergence="reverse_kl", temperature=2.0, reduction="sum"), dict(target=True)),
+    "jsd-none-bigger-teacher-dv": (dict(divergence="jsd", beta=0.3, reduction="none"),
+                                   dict(teacher_vocab=60, weight_layout="DV", mask=True)),
+    "forward-kl-T07-smaller-teacher-3d": (dict(temperature=0.7), dict(teacher_vocab=47, lead=(2, 7)), 20.0),
+}
+CASES = {**{("topk", k): v for k, v in TOPK_CASES.items()}, **{("dense", k): v for k, v in DENSE_CASES.items()}}
+
+
+def case_inputs(kind, name, dtype):
+    """(problem, options, grad_output, num_items_in_batch, logit scale) of a CASES case."""
+    options, problem, *count = CASES[(kind, name)]
+    seed = zlib.crc32(f"{kind}{name}{dtype}".encode())
+    p = make_problem(kind, seed, dtype=dtype, **problem)
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal(p.x.shape[:-1]) if options.get("reduction") == "none" else rng.uniform(0.5, 2.0)
+    # logits of the student (and the dense teacher, 1.5x) divided by T: the scale of what is rounded
+    scale = (1.5 if kind == "dense" else 1.0) / min(1.0, options.get("temperature", 1.0))
+    return p, options, g, (count[0] if count else None), scale
+
+
+def errors(result, ref):
+    """{output: relative error} of a `run` result against the reference."""
+    of = {"loss": ref.loss, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
+    return {k: rel_err(v, of[k]) for k, v in result.items()}

@@ -2,7 +2,10 @@
 
 `Problem` holds numpy arrays already rounded to the test dtype, so the float64 reference
 sees exactly the values the implementation sees. An adapter runs its framework's
-`linear_cross_entropy` on a Problem and returns loss, lse and gradients as float64 numpy.
+`linear_cross_entropy` on a Problem, with a strategy and an `interop.tuning.Tuning`, and
+returns loss, lse and gradients as float64 numpy. The Tuning values the test modules share
+(blocks small enough that these tests' small problems span several of them) are defined
+here too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from interop.reference import linear_cross_entropy_reference
+from interop.tuning import DEFAULT, Tuning
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -33,6 +37,36 @@ CASES = {
 }
 
 _NUMPY_DTYPE = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+# Blocks of 4 rows at the CPU tests' sizes, mostly N x D x V = 13 x 19 x 53 (the defaults would
+# use one block): "chunked" in chunks of ceil(N D / V) rows (5 here), "speed" in blocks of 4
+# whole rows, "memory" in blocks of 4 rows x 8 to 12 columns (JAX's: 4 rows x 53 columns).
+SMALL_BLOCKS = Tuning(min_chunk_rows=1, min_block=4, min_memory_block=(4, 4), speed_block_elements=5 * 53)
+# SMALL_BLOCKS, and an fp32 grad_weight of a 16-bit W in 5 vocabulary slabs; JAX's "memory" in
+# blocks of 4 rows x 8 columns (XLA's GEMM workspace and per-row temporaries not counted).
+SMALL = dataclasses.replace(SMALL_BLOCKS, weight_grad_slabs=5, weight_grad_slab_bytes=1, slab_align=1,
+                            xla_memory_cols=8, xla_gemm_workspace=0, xla_row_bytes=0)
+# SMALL with "memory" in blocks of whole rows at 13 x 19 x 53: a scratch of 4.5 rows of 53 logits
+# (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input; in
+# JAX, whose XLA workspace and per-row temporaries are left out, 2: it counts 2 D values a row
+# beside the logits, 238 // (53 + 2 * 19)).
+WHOLE_ROW_MEMORY = dataclasses.replace(SMALL, min_whole_rows=1, whole_row_align=1,
+                                       whole_row_fraction=4.5 * 53 / ((13 + 53) * 19))
+# The GPU tests' medium shapes (1000 x 257 x 5003) in several row and column blocks: these
+# fields of a Tuning ...
+MEDIUM_BLOCK_FIELDS = dict(min_block=64, min_memory_block=(64, 64), speed_block_elements=300 * 5003, memory_fraction=0.01)
+# ... and with them an fp32 grad_weight in several vocabulary slabs.
+MEDIUM_BLOCKS = Tuning(**MEDIUM_BLOCK_FIELDS, weight_grad_slab_bytes=1 << 16)
+# Bytes the CUDA memory tests allow beyond their bounds: large allocations are rounded up to
+# 2 MiB; cuBLAS's workspace (32 MiB on Hopper).
+ALLOCATOR_SLACK = 64 << 20
+
+
+def device() -> str:
+    """Where PyTorch's kernels run: CUDA where there is a GPU, else the CPU (Triton's interpreter)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def tolerance(dtype: str, logit_scale: float = 1.0) -> float:
@@ -67,6 +101,17 @@ def rel_err(got, ref) -> float:
         return float("nan")
     got, ref = np.nan_to_num(got), np.nan_to_num(ref)
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_against_reference(result, ref, dtype, logit_scale=1.0, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):
+    """Each output of `result` (an adapter's) within `tolerance` of the reference's."""
+    ref_of = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
+    tol = tolerance(dtype, logit_scale)
+    for key in keys:
+        if key not in result:
+            continue
+        err = rel_err(result[key], ref_of[key])
+        assert err <= tol, f"{key}: relative error {err:.3g} > {tol:.3g} ({dtype})"
 
 
 @dataclasses.dataclass
@@ -175,16 +220,35 @@ def reference(problem: Problem, options: dict, grad_output, grad_lse):
     )
 
 
-class TorchAdapter:
-    """`torch_impl.linear_cross_entropy` with a given strategy, on a given device."""
+def torch_outputs(loss, lse, leaves: dict, grad_output, grad_lse) -> dict:
+    """{"loss", "lse" (unless None), "grad_<k>" for each leaf k not None} as float64 numpy:
+    the gradients of `leaves` ({"x": tensor, "W": ..., "b": ... or None}) for the upstream
+    gradients grad_output of loss and, unless None, grad_lse of lse (numpy or float)."""
+    import torch
 
-    def __init__(self, strategy: str = "auto", device: str = "cpu"):
+    outs, grads_in = [loss], [torch.as_tensor(np.asarray(grad_output), dtype=loss.dtype, device=loss.device)]
+    if grad_lse is not None and lse is not None:
+        outs.append(lse)
+        grads_in.append(torch.as_tensor(np.asarray(grad_lse), dtype=lse.dtype, device=lse.device))
+    need = {k: t for k, t in leaves.items() if t is not None}
+    grads = torch.autograd.grad(outs, list(need.values()), grads_in)
+    for (k, t), g in zip(need.items(), grads):
+        assert g.dtype == t.dtype, f"grad_{k} has dtype {g.dtype}, input {t.dtype}"
+    result = {"loss": loss} if lse is None else {"loss": loss, "lse": lse}
+    result.update({f"grad_{k}": g for k, g in zip(need, grads)})
+    return {k: v.detach().double().cpu().numpy() for k, v in result.items()}
+
+
+class TorchAdapter:
+    """`torch_impl.linear_cross_entropy` with a given strategy and tuning, on a given device."""
+
+    def __init__(self, strategy: str = "auto", device: str = "cpu", tuning: Tuning = DEFAULT):
         import torch
 
         import torch_impl
 
         self.torch, self.impl = torch, torch_impl
-        self.name, self.strategy, self.device = f"torch-{strategy}", strategy, device
+        self.name, self.strategy, self.device, self.tuning = f"torch-{strategy}", strategy, device, tuning
         self.dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
     def tensor(self, a, dtype: str | None = None, requires_grad: bool = False):
@@ -198,7 +262,8 @@ class TorchAdapter:
         conv = lambda a: None if a is None else self.tensor(a)
         for k in ("linear_bias", "weight"):
             kwargs[k] = conv(kwargs.get(k))
-        return self.impl.linear_cross_entropy(conv(x), conv(W), conv(y), strategy=self.strategy, **kwargs)
+        return self.impl.linear_cross_entropy(conv(x), conv(W), conv(y), strategy=self.strategy, tuning=self.tuning,
+                                              **kwargs)
 
     def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int64", return_lse=None,
             layouts=None):
@@ -217,34 +282,24 @@ class TorchAdapter:
         cw = None if p.cw is None else lay("cw", self.tensor(p.cw))
         y = lay("y", self.tensor(p.y.astype(target_dtype)))
         out = self.impl.linear_cross_entropy(
-            tensors["x"], tensors["W"], y, linear_bias=tensors["b"], weight=cw,
-            weight_layout=p.weight_layout, return_lse=return_lse, strategy=self.strategy, **options,
+            tensors["x"], tensors["W"], y, linear_bias=tensors["b"], weight=cw, weight_layout=p.weight_layout,
+            return_lse=return_lse, strategy=self.strategy, tuning=self.tuning, **options,
         )
         loss, lse = out if return_lse else (out, None)
-        outs, grads_in = [loss], [self.tensor(grad_output, "float32").to(loss.dtype)]
-        if grad_lse is not None and lse is not None:
-            outs.append(lse)
-            grads_in.append(self.tensor(grad_lse, "float32").to(lse.dtype))
-        need = [k for k in ("x", "W", "b") if tensors[k] is not None and tensors[k].requires_grad]
-        grads = self.torch.autograd.grad(outs, [tensors[k] for k in need], grads_in)
-        result = {"loss": loss} if lse is None else {"loss": loss, "lse": lse}
-        result.update({f"grad_{k}": g for k, g in zip(need, grads)})
-        for k, g in zip(need, grads):
-            assert g.dtype == tensors[k].dtype, f"grad_{k} has dtype {g.dtype}, input {tensors[k].dtype}"
-        return {k: v.detach().double().cpu().numpy() for k, v in result.items()}
-
+        need = {k: t for k, t in tensors.items() if t is not None and t.requires_grad}
+        return torch_outputs(loss, lse, need, grad_output, grad_lse)
 
 class JaxAdapter:
-    """`jax_impl.linear_cross_entropy` with a given strategy."""
+    """`jax_impl.linear_cross_entropy` with a given strategy and tuning."""
 
-    def __init__(self, strategy: str = "auto"):
+    def __init__(self, strategy: str = "auto", tuning: Tuning = DEFAULT):
         import jax
         import jax.numpy as jnp
 
         import jax_impl
 
         self.jax, self.jnp, self.impl = jax, jnp, jax_impl
-        self.name, self.strategy = f"jax-{strategy}", strategy
+        self.name, self.strategy, self.tuning = f"jax-{strategy}", strategy, tuning
 
     def array(self, a, dtype: str | None = None):
         return self.jnp.asarray(a, dtype=None if dtype is None else _NUMPY_DTYPE[dtype])
@@ -255,7 +310,8 @@ class JaxAdapter:
             if kwargs.get(k) is not None:
                 kwargs[k] = self.jnp.asarray(kwargs[k])
         return self.impl.linear_cross_entropy(
-            self.jnp.asarray(x), self.jnp.asarray(W), self.jnp.asarray(y), strategy=self.strategy, **kwargs
+            self.jnp.asarray(x), self.jnp.asarray(W), self.jnp.asarray(y), strategy=self.strategy, tuning=self.tuning,
+            **kwargs,
         )
 
     def run(self, p: Problem, options: dict, grad_output, grad_lse, wrt=("x", "W", "b"), target_dtype="int32", jit=True, return_lse=None):
@@ -275,7 +331,7 @@ class JaxAdapter:
                 a = {**fixed, **diff}
                 out = self.impl.linear_cross_entropy(
                     a["x"], a["W"], y, linear_bias=a["b"], weight=cw, weight_layout=p.weight_layout,
-                    return_lse=return_lse, strategy=self.strategy, **options,
+                    return_lse=return_lse, strategy=self.strategy, tuning=self.tuning, **options,
                 )
                 return out if return_lse else (out, None)
 
@@ -292,8 +348,8 @@ class JaxAdapter:
         return {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in result.items()}
 
 
-def cpu_implementations() -> dict:
-    """Every implementation that runs on this machine, by name (kernels in interpret mode)."""
-    adapters = (TorchAdapter("chunked"), TorchAdapter("speed"), TorchAdapter("memory"),
-                JaxAdapter("chunked"), JaxAdapter("speed"), JaxAdapter("memory"))
+def cpu_implementations(tuning: Tuning = DEFAULT) -> dict:
+    """Every implementation that runs on this machine, by name (kernels in interpret mode),
+    each with `tuning`."""
+    adapters = [cls(s, tuning=tuning) for cls in (TorchAdapter, JaxAdapter) for s in ("chunked", "speed", "memory")]
     return {a.name: a for a in adapters}

@@ -23,33 +23,24 @@ import sys
 
 import numpy as np
 
-from tests.frameworks import CASES, make_problem, reference, rel_err, seed_of, tolerance, upstream_grads
+from interop.tuning import DEFAULT, Tuning
+from tests.frameworks import CASES, make_problem, reference, rel_err, seed_of, tolerance, torch_outputs, upstream_grads
 
 STRATEGIES = ("chunked", "speed", "memory")
 OUTPUTS = ("loss", "lse", "grad_x", "grad_W", "grad_b")
 
 
-def _torch_side(tensors, options, strategy, g_out, g_lse):
-    import torch
-
+def _torch_side(tensors, options, strategy, g_out, g_lse, tuning):
     import torch_impl
 
     x, W, b, cw, y = (t.detach().requires_grad_(t.is_floating_point() and k in "xWb") if t is not None else None
                       for k, t in zip("xWbcy", tensors))
-    loss, lse = torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=cw, return_lse=True, strategy=strategy, **options)
-    outs, grads_in = [loss], [torch.as_tensor(g_out, device=x.device, dtype=loss.dtype)]
-    if g_lse is not None:
-        outs.append(lse)
-        grads_in.append(torch.as_tensor(g_lse, device=x.device, dtype=lse.dtype))
-    wrt = [t for t in (x, W, b) if t is not None]
-    grads = torch.autograd.grad(outs, wrt, grads_in)
-    result = {"loss": loss, "lse": lse, "grad_x": grads[0], "grad_W": grads[1]}
-    if b is not None:
-        result["grad_b"] = grads[2]
-    return {k: v.detach().double().cpu().numpy() for k, v in result.items()}
+    loss, lse = torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=cw, return_lse=True, strategy=strategy,
+                                                tuning=tuning, **options)
+    return torch_outputs(loss, lse, {"x": x, "W": W, "b": b}, g_out, g_lse)
 
 
-def _jax_side(arrays, options, strategy, g_out, g_lse):
+def _jax_side(arrays, options, strategy, g_out, g_lse, tuning):
     import jax
     import jax.numpy as jnp
 
@@ -58,7 +49,8 @@ def _jax_side(arrays, options, strategy, g_out, g_lse):
     x, W, b, cw, y = arrays
 
     def f(x, W, b):
-        return jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=cw, return_lse=True, strategy=strategy, **options)
+        return jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=cw, return_lse=True, strategy=strategy,
+                                             tuning=tuning, **options)
 
     (loss, lse), vjp = jax.vjp(f, x, W, b)
     g_lse = np.zeros(lse.shape) if g_lse is None else g_lse
@@ -69,8 +61,10 @@ def _jax_side(arrays, options, strategy, g_out, g_lse):
     return {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in result.items()}
 
 
-def run_case(case: str, dtype: str, strategy: str, device: str, lead=(13,), hidden=19, vocab=53) -> dict:
-    """Errors of both frameworks against the spec and against each other, for one case."""
+def run_case(case: str, dtype: str, strategy: str, device: str, lead=(13,), hidden=19, vocab=53,
+             tuning: Tuning = DEFAULT) -> dict:
+    """Errors of both frameworks against the spec and against each other, for one case, both
+    planning their blocks with `tuning`."""
     import torch
 
     from interop.dlpack import to_jax
@@ -89,8 +83,8 @@ def run_case(case: str, dtype: str, strategy: str, device: str, lead=(13,), hidd
     arrays = [None if t is None else to_jax(t) for t in tensors]
     ref = reference(p, options, g_out, g_lse)
     spec = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
-    got_t = _torch_side(tensors, options, strategy, g_out, g_lse)
-    got_j = _jax_side(arrays, options, strategy, g_out, g_lse)
+    got_t = _torch_side(tensors, options, strategy, g_out, g_lse, tuning)
+    got_j = _jax_side(arrays, options, strategy, g_out, g_lse, tuning)
     tol = tolerance(dtype, p.logit_scale)
     errors = {}
     for k in OUTPUTS:

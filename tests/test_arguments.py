@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.frameworks import LAYOUTS, Problem, laid_out, make_problem, reference, rel_err, seed_of, tolerance
-from tests.test_implementations import check_against_reference
+from interop.tuning import DEFAULT, Tuning
+from tests.frameworks import (LAYOUTS, Problem, check_against_reference, laid_out, make_problem, reference, rel_err, seed_of,
+                              tolerance)
 from torch_impl import linear_cross_entropy
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -31,16 +32,10 @@ TENSOR_ARGS = ("input", "linear_weight", "target", "linear_bias", "weight")
 GRAD_ARGS = ("grad_output", "grad_lse")
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks small enough for a test's shape to span several row and column blocks (several
-    fp32 grad_weight slabs), with the ignored rows skipped."""
-    import interop.blocking as b
-
-    for name, value in dict(MIN_BLOCK=8, MIN_MEMORY_BLOCK=(8, 16), MEMORY_FRACTION=0.01, SPEED_BLOCK_ELEMENTS=16 * 70,
-                            WEIGHT_GRAD_SLAB_BYTES=1 << 10, SLAB_ALIGN=8, SKIP_IGNORED_MIN_WORK=0,
-                            MIN_WHOLE_ROWS=1 << 30).items():
-        monkeypatch.setattr(b, name, value)
+# Blocks small enough for a test's shape (27 x 16 x 70) to span several row and column blocks
+# (several fp32 grad_weight slabs), with the ignored rows skipped.
+SMALL_BLOCKS = Tuning(min_block=8, min_memory_block=(8, 16), memory_fraction=0.01, speed_block_elements=16 * 70,
+                      weight_grad_slab_bytes=1 << 10, slab_align=8, skip_ignored_min_work=0, min_whole_rows=1 << 30)
 
 
 def _inputs(seed: int, dtype: str, device: str) -> dict:
@@ -61,11 +56,11 @@ def _problem(t: dict, dtype: str) -> Problem:
                    b=as_np(t["linear_bias"]), cw=as_np(t["weight"]), dtype=dtype, logit_scale=2.0)
 
 
-def _check(t: dict, dtype: str, strategy: str, config: str) -> None:
+def _check(t: dict, dtype: str, strategy: str, config: str, tuning: Tuning = DEFAULT) -> None:
     options, with_lse = CONFIGS[config]
     leaves = {k: t[k].detach().requires_grad_() for k in ("input", "linear_weight", "linear_bias")}
     out = linear_cross_entropy(leaves["input"], leaves["linear_weight"], t["target"], linear_bias=leaves["linear_bias"],
-                               weight=t["weight"], strategy=strategy, return_lse=with_lse, **options)
+                               weight=t["weight"], strategy=strategy, return_lse=with_lse, tuning=tuning, **options)
     loss, lse = out if with_lse else (out, None)
     g_out = t["grad_output"] if loss.ndim else torch.ones((), device=loss.device)
     outs, grads_in = ([loss, lse], [g_out, t["grad_lse"]]) if with_lse else ([loss], [g_out])
@@ -82,10 +77,10 @@ def _check(t: dict, dtype: str, strategy: str, config: str) -> None:
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_tensor_argument_layouts(device, strategy, config, arg, layout, dtype, small_blocks):
+def test_tensor_argument_layouts(device, strategy, config, arg, layout, dtype):
     t = _inputs(seed_of(strategy, config, arg, layout, dtype), dtype, device)
     t[arg] = laid_out(t[arg], layout)
-    _check(t, dtype, strategy, config)
+    _check(t, dtype, strategy, config, SMALL_BLOCKS)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -93,10 +88,10 @@ def test_tensor_argument_layouts(device, strategy, config, arg, layout, dtype, s
 @pytest.mark.parametrize("arg", GRAD_ARGS)
 @pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_upstream_gradient_layouts(device, strategy, arg, layout, dtype, small_blocks):
+def test_upstream_gradient_layouts(device, strategy, arg, layout, dtype):
     t = _inputs(seed_of(strategy, arg, layout, dtype), dtype, device)
     t[arg] = laid_out(t[arg], layout)
-    _check(t, dtype, strategy, "rows")
+    _check(t, dtype, strategy, "rows", SMALL_BLOCKS)
 
 
 @pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])

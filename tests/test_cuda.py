@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import interop.blocking
-
-from tests.frameworks import CASES, DTYPES, TorchAdapter, make_problem, reference, seed_of, tolerance, upstream_grads
-from tests.test_implementations import check_against_reference
+from interop.tuning import DEFAULT, Tuning
+from tests.frameworks import (ALLOCATOR_SLACK, CASES, DTYPES, TorchAdapter, check_against_reference, make_problem,
+                              reference, seed_of, tolerance, upstream_grads)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -22,22 +21,12 @@ pytestmark = [
 ]
 
 STRATEGIES = ("speed", "memory")
-ALLOCATOR_SLACK = 64 << 20  # large allocations rounded up to 2 MiB; cuBLAS's workspace (32 MiB on Hopper)
 
 
-@pytest.fixture(params=["default-blocks", "small-blocks"])
-def blocks(request, monkeypatch):
-    """Default block sizes, and small ones so medium shapes span several row and column
-    blocks (and an fp32 grad_weight several vocabulary slabs)."""
-    import interop.blocking
-
-    if request.param == "small-blocks":
-        monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 64)
-        monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (64, 64))
-        monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 300 * 5003)
-        monkeypatch.setattr(interop.blocking, "MEMORY_FRACTION", 0.01)
-        monkeypatch.setattr(interop.blocking, "WEIGHT_GRAD_SLAB_BYTES", 1 << 16)
-    return request.param
+def _name(blocks) -> str:
+    """The id of a Tuning of the `blocks` fixture (tests/conftest.py: the defaults, and small
+    blocks so that the medium shapes span several row and column blocks), for seeds."""
+    return "default-blocks" if blocks == DEFAULT else "small-blocks"
 
 
 @pytest.mark.parametrize("layout", ["VD", "DV"])
@@ -45,13 +34,14 @@ def blocks(request, monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_kernels_match_reference(strategy, case, dtype, layout, blocks):
+    """Medium odd shapes, each Tuning of `blocks`, against the float64 reference."""
     options, problem_kwargs, with_lse = CASES[case]
     lead = (3, 333) if problem_kwargs.get("lead") else (1000,)
     kwargs = {k: v for k, v in problem_kwargs.items() if k != "lead"}
-    seed = seed_of(strategy, case, dtype, layout, blocks)
+    seed = seed_of(strategy, case, dtype, layout, _name(blocks))
     p = make_problem(seed, lead=lead, hidden=257, vocab=5003, dtype=dtype, weight_layout=layout, **kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
-    result = TorchAdapter(strategy, "cuda").run(p, options, g_out, g_lse)
+    result = TorchAdapter(strategy, "cuda", blocks).run(p, options, g_out, g_lse)
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
@@ -109,21 +99,19 @@ def test_large_shapes_against_fp64_and_eager(strategy, shape):
 
 @pytest.mark.parametrize("skip_ignored", [False, True], ids=["all-rows", "rows-not-ignored"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_bad_target_raises(monkeypatch, strategy, skip_ignored):
+def test_bad_target_raises(strategy, skip_ignored):
     """On the GPU the bad-target count reaches the host through pinned memory after the
     call's work is queued: the call still raises, naming the target, and a good call after
     it is right (nothing left behind)."""
     import torch_impl
-    import torch_impl.functional
 
-    if skip_ignored:
-        monkeypatch.setattr(interop.blocking, "SKIP_IGNORED_MIN_WORK", 0)
+    tuning = Tuning(skip_ignored_min_work=0) if skip_ignored else DEFAULT
     x, W, y = _large_problem(1000, 64, 5003, torch.bfloat16)
     bad = y.clone()
     bad[517] = 5003
     with pytest.raises(ValueError, match="target holds 5003"):
-        torch_impl.linear_cross_entropy(x, W, bad, strategy=strategy)
-    loss = torch_impl.linear_cross_entropy(x, W, y, strategy=strategy)
+        torch_impl.linear_cross_entropy(x, W, bad, strategy=strategy, tuning=tuning)
+    loss = torch_impl.linear_cross_entropy(x, W, y, strategy=strategy, tuning=tuning)
     assert _err(loss, _fp64_spec(x, W, y)[0]) <= 1e-4
 
 
@@ -136,7 +124,7 @@ def test_forward_only_does_no_gradient_work(strategy):
 
     n, d, v = 4096, 1024, 32000
     x, W, y = _large_problem(n, d, v, torch.bfloat16)
-    plan = plan_blocks(strategy, n, d, v, torch.bfloat16, False, forward_only=True)
+    plan = plan_blocks(DEFAULT, strategy, n, d, v, torch.bfloat16, False, forward_only=True)
     block_bytes = plan.block_rows * plan.block_cols * 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -148,7 +136,7 @@ def test_forward_only_does_no_gradient_work(strategy):
     assert _err(loss, _fp64_spec(x, W, y)[0]) <= 1e-4
 
 
-def test_speed_peak_is_two_weights_plus_one_block(monkeypatch):
+def test_speed_peak_is_two_weights_plus_one_block():
     """"speed" holds an fp32 grad_weight (2 W for a bf16 W) and one logits block; its
     conversion to bf16 goes slab by slab, so the fwd+bwd peak stays below
     2 W + max(block, the largest slab in bf16) + dx + O(N) (it was 3 W + dx with one fp32
@@ -157,20 +145,18 @@ def test_speed_peak_is_two_weights_plus_one_block(monkeypatch):
     from interop.blocking import weight_grad_slabs
     from torch_impl.blocked import plan_blocks
 
-    import interop.blocking
-
     n, d, v = 1024, 4096, 50000  # two row blocks (49 MiB each) well below W (400 MiB): 3 W would fail
-    monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 512 * v)
+    tuning = Tuning(speed_block_elements=512 * v)
     x, W, y = _large_problem(n, d, v, torch.bfloat16)
     x.requires_grad_()
     W.requires_grad_()
-    plan = plan_blocks("speed", n, d, v, torch.bfloat16, False)
-    edges = weight_grad_slabs(v, d * 4, True)
+    plan = plan_blocks(tuning, "speed", n, d, v, torch.bfloat16, False)
+    edges = weight_grad_slabs(tuning, v, d * 4, True)
     w_bytes, slabs, part = W.numel() * 2, len(edges) - 1, max(b - a for a, b in zip(edges, edges[1:])) * d * 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    torch_impl.linear_cross_entropy(x, W, y, strategy="speed").backward()
+    torch_impl.linear_cross_entropy(x, W, y, strategy="speed", tuning=tuning).backward()
     peak = torch.cuda.max_memory_allocated() - base
     bound = 2 * w_bytes + max(plan.block_rows * plan.block_cols * 2, part) + x.numel() * 2 + 64 * n + ALLOCATOR_SLACK
     assert plan.block_rows < n and slabs > 1 and peak <= bound, f"peak {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB ({slabs} slabs)"
@@ -197,32 +183,30 @@ def test_jax_kernels_match_reference(strategy, case, dtype, blocks):
     options, problem_kwargs, with_lse = CASES[case]
     lead = (3, 333) if problem_kwargs.get("lead") else (1000,)
     kwargs = {k: v for k, v in problem_kwargs.items() if k != "lead"}
-    seed = seed_of("jax", strategy, case, dtype, blocks)
+    seed = seed_of("jax", strategy, case, dtype, _name(blocks))
     p = make_problem(seed, lead=lead, hidden=257, vocab=5003, dtype=dtype, **kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
-    result = JaxAdapter(strategy).run(p, options, g_out, g_lse)
+    result = JaxAdapter(strategy, blocks).run(p, options, g_out, g_lse)
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_jax_kernel_blocks_match_reference(monkeypatch, case, dtype):
+def test_jax_kernel_blocks_match_reference(case, dtype):
     """JAX "memory" in blocks of rows and columns through `row_products`' kernels (the plan
     of heads too small for XLA's products, forced here with XLA's GEMM workspace counted as
     1 TiB): 1000 x 257 x 5003 in blocks of 64 or 128 rows x 512 columns (the last 395),
     against the float64 reference."""
     from tests.frameworks import JaxAdapter
 
-    for name, value in [("XLA_GEMM_WORKSPACE", 1 << 40), ("XLA_ROW_BYTES", 0), ("MIN_BLOCK", 64),
-                        ("XLA_MEMORY_COLS", 512)]:
-        monkeypatch.setattr(interop.blocking, name, value)
+    tuning = Tuning(xla_gemm_workspace=1 << 40, xla_row_bytes=0, min_block=64, xla_memory_cols=512)
     options, problem_kwargs, with_lse = CASES[case]
     lead = (3, 333) if problem_kwargs.get("lead") else (1000,)
     kwargs = {k: v for k, v in problem_kwargs.items() if k != "lead"}
     seed = seed_of("jax-kernel-blocks", case, dtype)
     p = make_problem(seed, lead=lead, hidden=257, vocab=5003, dtype=dtype, **kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
-    result = JaxAdapter("memory").run(p, options, g_out, g_lse)
+    result = JaxAdapter("memory", tuning).run(p, options, g_out, g_lse)
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
@@ -305,12 +289,13 @@ def test_jax_column_remainder_shares_the_loops_buffers():
     import jax.numpy as jnp
 
     from interop.options import CrossEntropyOptions
-    from jax_impl.blocked import BlockedConfig, blocked_linear_cross_entropy
+    from jax_impl.blocked import BlockedConfig
+    from jax_impl.function import kernel_linear_cross_entropy
 
     n, d = 8192, 2304
-    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "memory", 2816, 2048, False, True,
-                        interpret=False, skip_ignored=False, fused_stats=True)
+    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "memory", "tiles", 2816, 2048, False, True,
+                        interpret=False, skip_ignored=False, fused_stats=True, tuning=DEFAULT)
 
-    loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
+    loss = lambda x, W, y: kernel_linear_cross_entropy(x, W, None, None, y, cfg)[0]
     needed = lambda v: _jax_fwd_bwd_bytes(loss, ((n, d), jnp.bfloat16), ((v, d), jnp.bfloat16), ((n,), jnp.int32))
     assert needed(254976) <= needed(256000)

@@ -9,10 +9,9 @@ import zlib
 import pytest
 import torch
 
-from tests.distill_frameworks import make_problem, reference, run
-from tests.frameworks import rel_err, tolerance
-from tests.test_cuda import ALLOCATOR_SLACK, blocks  # noqa: F401 (blocks: the fixture, default and small blocks)
-from tests.test_distillation import CASES, errors
+from interop.tuning import Tuning
+from tests.distill_frameworks import CASES, errors, make_problem, reference, run
+from tests.frameworks import ALLOCATOR_SLACK, rel_err, tolerance
 
 pytestmark = [
     pytest.mark.cuda,
@@ -24,6 +23,7 @@ pytestmark = [
 @pytest.mark.parametrize("kind, name", list(CASES))
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 def test_kernels_match_reference(strategy, kind, name, dtype, blocks):
+    """Each Tuning of `blocks` (tests/conftest.py: the defaults, and small blocks)."""
     options, problem, *count = CASES[(kind, name)]
     count = count[0] if count else None
     seed = zlib.crc32(f"cuda{kind}{name}{dtype}".encode())
@@ -35,7 +35,7 @@ def test_kernels_match_reference(strategy, kind, name, dtype, blocks):
     ref = reference(p, options, g, count)
     scale = (1.5 if kind == "dense" else 1.0) / min(1.0, options.get("temperature", 1.0))
     tol = tolerance(dtype, scale)
-    results = {fw: run(fw, strategy, p, options, g, count, device="cuda") for fw in ("torch", "jax")}
+    results = {fw: run(fw, strategy, p, options, g, count, device="cuda", tuning=blocks) for fw in ("torch", "jax")}
     for fw, result in results.items():
         for key, err in errors(result, ref).items():
             assert err <= tol, f"{fw} {key}: relative error {err:.3g} > {tol:.3g}"
@@ -43,30 +43,29 @@ def test_kernels_match_reference(strategy, kind, name, dtype, blocks):
         assert rel_err(results["torch"][key], results["jax"][key]) <= 2 * tol, f"torch vs jax {key}"
 
 
-def test_dense_speed_peak_is_two_weights_plus_two_blocks(monkeypatch):
+def test_dense_speed_peak_is_two_weights_plus_two_blocks():
     """The dense loss holds the teacher's logits block beside the student's, and the fp32
     grad_weight is converted slab by slab: the fwd+bwd peak of "speed" stays below
     2 W + max(two blocks, a slab) + dx + O(N); 3 W (one fp32 accumulator converted at
     once) would exceed it at this shape."""
-    import interop.blocking
     import torch_impl
     from interop.blocking import block_shape, weight_grad_slabs
 
     n, d, v = 1024, 8192, 50000  # W 781 MiB; two row blocks, each two buffers of 49 MiB
-    monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 512 * v)
+    tuning = Tuning(speed_block_elements=512 * v)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, xt = (torch.randn(n, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
     W, Wt = ((torch.randn(v, d, device="cuda", generator=gen) / d**0.5).bfloat16() for _ in range(2))
     x.requires_grad_()
     W.requires_grad_()
-    rows, cols = block_shape("speed", n, d, v, 2, buffers=2)
+    rows, cols = block_shape(tuning, "speed", n, d, v, 2, buffers=2)
     assert rows < n
-    edges = weight_grad_slabs(v, d * 4, True)
+    edges = weight_grad_slabs(tuning, v, d * 4, True)
     w_bytes, part = W.numel() * 2, max(b - a for a, b in zip(edges, edges[1:])) * d * 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    torch_impl.linear_distillation(x, W, xt, Wt, strategy="speed").backward()
+    torch_impl.linear_distillation(x, W, xt, Wt, strategy="speed", tuning=tuning).backward()
     peak = torch.cuda.max_memory_allocated() - base
     bound = 2 * w_bytes + max(2 * rows * cols * 2, part) + x.numel() * 2 + 64 * n + ALLOCATOR_SLACK
     assert peak <= bound < 3 * w_bytes, f"peak {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"

@@ -40,13 +40,19 @@ def naive_topk(x, W, b, ids, lp, y, mask, o: TopKDistillationOptions, layout, nu
         Q = torch.where(entry, lq.exp(), torch.zeros_like(lp)).sum(-1)
         kd = kd + torch.where(R > 0, R * (torch.log(torch.where(R > 0, R, torch.ones_like(R))) - torch.log1p(-Q)), torch.zeros_like(R))
     row = o.kd_scale * kd
-    valid = torch.ones(x.shape[0], dtype=torch.bool)
+    if y is not None and o.weight_hard:
+        row = row + o.weight_hard * F.cross_entropy(s, y.clamp(min=0), reduction="none")
+    return _reduce_valid_rows(row, y, mask, o, num_items)
+
+
+def _reduce_valid_rows(row, y, mask, o, num_items):
+    """The loss of per-row terms `row`: rows masked out or whose target is ignored count 0,
+    reduced as o.reduction says ("mean" over the valid rows or num_items)."""
+    valid = torch.ones(row.shape[0], dtype=torch.bool)
     if mask is not None:
         valid &= mask
     if y is not None:
         valid &= y != o.ignore_index
-        if o.weight_hard:
-            row = row + o.weight_hard * F.cross_entropy(s, y.clamp(min=0), reduction="none")
     row = torch.where(valid, row, torch.zeros_like(row))
     if o.reduction == "none":
         return row
@@ -121,17 +127,7 @@ def naive_dense(x, W, xt, Wt, y, mask, o: DenseDistillationOptions, layout, num_
         lm = torch.logsumexp(torch.stack([lp + math.log(o.beta), lq + math.log(1 - o.beta)]), 0)
         div = o.beta * F.kl_div(lm, lp, log_target=True, reduction="none").sum(-1) + \
             (1 - o.beta) * F.kl_div(lm, lq, log_target=True, reduction="none").sum(-1)
-    valid = torch.ones(x.shape[0], dtype=torch.bool)
-    if mask is not None:
-        valid &= mask
-    if y is not None:
-        valid &= y != o.ignore_index
-    row = torch.where(valid, o.scale * div, torch.zeros_like(div))
-    if o.reduction == "none":
-        return row
-    if o.reduction == "sum":
-        return row.sum()
-    return row.sum() / (valid.sum() if num_items is None else num_items)
+    return _reduce_valid_rows(o.scale * div, y, mask, o, num_items)
 
 
 DENSE_CASES = {

@@ -1,50 +1,14 @@
 """The distillation losses of both frameworks, every strategy (kernels in interpret mode on
-the CPU), against the float64 reference; their parity on shared buffers; bad input."""
+the CPU), against the float64 reference; their parity on shared buffers; bad input. The
+losses run with tests.frameworks.SMALL: several row and column blocks."""
 
 from __future__ import annotations
-
-import zlib
 
 import numpy as np
 import pytest
 
-from tests.distill_frameworks import IMPLEMENTATIONS, make_problem, reference, run
-from tests.frameworks import DTYPES, rel_err, tolerance
-from tests.test_implementations import small_chunks  # noqa: F401 (autouse: several row and column blocks)
-
-TOPK_CASES = {
-    "defaults": (dict(), dict()),
-    "T2-hard-bias": (dict(temperature=2.0, weight_soft=0.8, weight_hard=0.5), dict(bias=True, target=True)),
-    "tail-none-softcap-dups": (dict(renormalize_teacher=False, tail_bucket=True, softcap=4.0, reduction="none"),
-                               dict(duplicates=True)),
-    "T07-sum-mask-dv-3d": (dict(temperature=0.7, temperature_squared=False, reduction="sum"),
-                           dict(mask=True, target=True, weight_layout="DV", lead=(2, 7))),
-    "hard-T1-count": (dict(weight_hard=1.0), dict(target=True), 30.0),
-}
-DENSE_CASES = {
-    "forward-kl": (dict(), dict()),
-    "reverse-kl-T2-sum-target": (dict(divergence="reverse_kl", temperature=2.0, reduction="sum"), dict(target=True)),
-    "jsd-none-bigger-teacher-dv": (dict(divergence="jsd", beta=0.3, reduction="none"),
-                                   dict(teacher_vocab=60, weight_layout="DV", mask=True)),
-    "forward-kl-T07-smaller-teacher-3d": (dict(temperature=0.7), dict(teacher_vocab=47, lead=(2, 7)), 20.0),
-}
-CASES = {**{("topk", k): v for k, v in TOPK_CASES.items()}, **{("dense", k): v for k, v in DENSE_CASES.items()}}
-
-
-def case_inputs(kind, name, dtype):
-    options, problem, *count = CASES[(kind, name)]
-    seed = zlib.crc32(f"{kind}{name}{dtype}".encode())
-    p = make_problem(kind, seed, dtype=dtype, **problem)
-    rng = np.random.default_rng(seed)
-    g = rng.standard_normal(p.x.shape[:-1]) if options.get("reduction") == "none" else rng.uniform(0.5, 2.0)
-    # logits of the student (and the dense teacher, 1.5x) divided by T: the scale of what is rounded
-    scale = (1.5 if kind == "dense" else 1.0) / min(1.0, options.get("temperature", 1.0))
-    return p, options, g, (count[0] if count else None), scale
-
-
-def errors(result, ref):
-    of = {"loss": ref.loss, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
-    return {k: rel_err(v, of[k]) for k, v in result.items()}
+from tests.distill_frameworks import CASES, IMPLEMENTATIONS, case_inputs, errors, make_problem, reference, run
+from tests.frameworks import DTYPES, SMALL, rel_err, tolerance
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -52,7 +16,7 @@ def errors(result, ref):
 @pytest.mark.parametrize("framework, strategy", IMPLEMENTATIONS)
 def test_matches_reference(framework, strategy, kind, name, dtype):
     p, options, g, count, scale = case_inputs(kind, name, dtype)
-    result = run(framework, strategy, p, options, g, count)
+    result = run(framework, strategy, p, options, g, count, tuning=SMALL)
     tol = tolerance(dtype, scale)
     for key, err in errors(result, reference(p, options, g, count)).items():
         assert err <= tol, f"{key}: relative error {err:.3g} > {tol:.3g}"
@@ -67,7 +31,7 @@ def test_jax_kernels_with_x64_on(strategy, kind, name):
 
     p, options, g, count, scale = case_inputs(kind, name, "float32")
     with jax.enable_x64(True):
-        result = run("jax", strategy, p, options, g, count)
+        result = run("jax", strategy, p, options, g, count, tuning=SMALL)
     tol = tolerance("float32", scale)
     for key, err in errors(result, reference(p, options, g, count)).items():
         assert err <= tol, f"{key}: relative error {err:.3g} > {tol:.3g}"
@@ -81,7 +45,7 @@ def test_parity_between_frameworks(strategy, kind, name):
     errors against the spec (plus one bf16 tolerance)."""
     p, options, g, count, scale = case_inputs(kind, name, "bfloat16")
     ref = reference(p, options, g, count)
-    t, j = run("torch", strategy, p, options, g, count), run("jax", strategy, p, options, g, count)
+    t, j = (run(fw, strategy, p, options, g, count, tuning=SMALL) for fw in ("torch", "jax"))
     et, ej = errors(t, ref), errors(j, ref)
     for key in t:
         between = rel_err(t[key], j[key])
@@ -139,7 +103,7 @@ def test_jax_traced_bad_teacher_id_gives_nan_row():
     ids = p.teacher[0].copy()
     ids[4, 0] = 53
     f = jax.jit(lambda x, ids: jax_impl.linear_topk_distillation(x, jnp.asarray(p.W), ids, jnp.asarray(p.teacher[1]),
-                                                                 reduction="none", strategy="chunked"))
+                                                                 reduction="none", strategy="chunked", tuning=SMALL))
     loss = np.asarray(f(jnp.asarray(p.x), jnp.asarray(ids)))
     assert np.isnan(loss[4]) and np.isfinite(np.delete(loss, 4)).all()
 

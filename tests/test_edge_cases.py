@@ -127,11 +127,11 @@ def test_torch_kernels_check_targets_once_behind_the_first_product(monkeypatch, 
     target then still raises, naming it."""
     import torch
 
-    from torch_impl import blocked, ce_kernels, functional
+    from torch_impl import blocked, functional, kernels
 
     events = []
-    check_targets, logits = ce_kernels.check_targets, blocked.HeadBlocks.logits
-    monkeypatch.setattr(ce_kernels, "check_targets", lambda *a: events.append("check") or check_targets(*a))
+    check_targets, logits = kernels.check_targets, blocked.HeadBlocks.logits
+    monkeypatch.setattr(kernels, "check_targets", lambda *a: events.append("check") or check_targets(*a))
     monkeypatch.setattr(blocked.HeadBlocks, "logits", lambda *a: events.append("logits") or logits(*a))
     p = _out_of_range_problem()
     x, W = torch.from_numpy(p.x).requires_grad_(grad), torch.from_numpy(p.W)

@@ -12,28 +12,21 @@ bf16 checks the same path in that dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-import interop.blocking
-
 from interop.options import check_filter_eps
+from interop.tuning import Tuning
 from tests.frameworks import seed_of, tolerance
 from torch_impl.kernels import FILTER_COLS
 
 N, D = 40, 12
 HOT = 64  # classes of the first tile that take most of each row's probability
-
-
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    """Blocks of 16 (V = 2100) or 24 (V = 1300) whole rows for "speed" at these sizes (the
-    defaults would use one)."""
-    import interop.blocking
-
-    monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 4)
-    monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 16 * 2100)
-    monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (4, 4))
+# Blocks of 16 (V = 2100) or 24 (V = 1300) whole rows for "speed" at these sizes (the defaults
+# would use one); every test here runs with it.
+SMALL_BLOCKS = Tuning(min_block=4, speed_block_elements=16 * 2100, min_memory_block=(4, 4))
 
 
 def make_inputs(seed: int, vocab: int, dtype, layout: str, bias: bool, class_weights: bool, n=N, d=D, device="cpu"):
@@ -82,12 +75,12 @@ def simulated_grads(x, W_VD, b, cw, y, opts: dict, filter_eps, block_rows: int, 
     return dz @ W, dz.T @ x, dz.sum(0), keep
 
 
-def run(x, W, y, b, cw, layout, opts, strategy, filter_eps, g_out):
+def run(x, W, y, b, cw, layout, opts, strategy, filter_eps, g_out, tuning: Tuning = SMALL_BLOCKS):
     from torch_impl import linear_cross_entropy
 
     leaves = [t.detach().clone().requires_grad_() for t in (x, W) + (() if b is None else (b,))]
     loss = linear_cross_entropy(leaves[0], leaves[1], y, linear_bias=leaves[2] if b is not None else None, weight=cw,
-                                weight_layout=layout, strategy=strategy, filter_eps=filter_eps, **opts)
+                                weight_layout=layout, strategy=strategy, filter_eps=filter_eps, tuning=tuning, **opts)
     loss.backward(torch.as_tensor(g_out, dtype=loss.dtype, device=loss.device).expand(loss.shape))
     grads = [t.grad.double() for t in leaves]
     if layout == "DV":
@@ -98,7 +91,7 @@ def run(x, W, y, b, cw, layout, opts, strategy, filter_eps, g_out):
 def speed_rows(vocab: int, dtype) -> int:
     from torch_impl.blocked import plan_blocks
 
-    rows = plan_blocks("speed", N, D, vocab, dtype, False).block_rows
+    rows = plan_blocks(SMALL_BLOCKS, "speed", N, D, vocab, dtype, False).block_rows
     assert rows < N, "several row blocks"
     return rows
 
@@ -119,17 +112,14 @@ OPTION_CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1300, 2100])
 @pytest.mark.parametrize("case", list(OPTION_CASES))
-def test_filtered_speed_matches_simulated_rule(monkeypatch, case, vocab, dtype, layout, gather_share):
-    import torch_impl.blocked
-
-    monkeypatch.setattr(torch_impl.blocked, "GATHER_SHARE", gather_share)
+def test_filtered_speed_matches_simulated_rule(case, vocab, dtype, layout, gather_share):
     opts, bias, class_weights = OPTION_CASES[case]
     seed = seed_of(case, vocab, str(dtype), layout)
     x, W, y, b, cw = make_inputs(seed, vocab, dtype, layout, bias, class_weights)
     g_out = torch.rand(N, generator=torch.Generator().manual_seed(seed)) + 0.5 if opts.get("reduction") == "none" else 1.0
     W_VD = W if layout == "VD" else W.T
     block_rows = speed_rows(vocab, dtype)
-    got = run(x, W, y, b, cw, layout, opts, "speed", 1e-3, g_out)
+    got = run(x, W, y, b, cw, layout, opts, "speed", 1e-3, g_out, dataclasses.replace(SMALL_BLOCKS, gather_share=gather_share))
     *want, keep = simulated_grads(x, W_VD, b, cw, y, opts, 1e-3, block_rows, g_out)
     assert 0 < keep.double().mean() < 0.5, "the problem should drop some tiles and keep others"
     exact = simulated_grads(x, W_VD, b, cw, y, opts, 0.0, block_rows, g_out)[:3]
@@ -141,20 +131,20 @@ def test_filtered_speed_matches_simulated_rule(monkeypatch, case, vocab, dtype, 
 
 
 @pytest.mark.parametrize("case", ["mean", "none-classweights"])
-def test_filtered_speed_on_the_rows_not_ignored(monkeypatch, case):
+def test_filtered_speed_on_the_rows_not_ignored(case):
     """When only the rows not ignored are computed (torch_impl.functional.rows_to_compute),
     the rule applies to blocks of those rows; the ignored rows get a zero grad_input."""
     from torch_impl.blocked import plan_blocks
 
-    monkeypatch.setattr(interop.blocking, "SKIP_IGNORED_MIN_WORK", 0)
+    skipping = dataclasses.replace(SMALL_BLOCKS, skip_ignored_min_work=0)
     opts, bias, class_weights = OPTION_CASES[case]
     vocab, seed = 2100, seed_of("rows-not-ignored", case)
     x, W, y, b, cw = make_inputs(seed, vocab, torch.float32, "VD", bias, class_weights)
     g_out = torch.rand(N, generator=torch.Generator().manual_seed(seed)) + 0.5 if opts.get("reduction") == "none" else 1.0
     kept = y != -100
-    block_rows = plan_blocks("speed", int(kept.sum()), D, vocab, torch.float32, False).block_rows
+    block_rows = plan_blocks(skipping, "speed", int(kept.sum()), D, vocab, torch.float32, False).block_rows
     assert block_rows < kept.sum(), "several row blocks"
-    got = run(x, W, y, b, cw, "VD", opts, "speed", 1e-3, g_out)
+    got = run(x, W, y, b, cw, "VD", opts, "speed", 1e-3, g_out, skipping)
     g_kept = g_out[kept] if isinstance(g_out, torch.Tensor) else g_out
     *want, keep = simulated_grads(x[kept], W, b, cw, y[kept], opts, 1e-3, block_rows, g_kept)
     assert 0 < keep.double().mean() < 0.5
@@ -190,19 +180,15 @@ def test_memory_blocks_of_partial_rows_compute_every_entry():
 @pytest.mark.parametrize("gather_share", [0.0, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["mean", "sum-everything"])
-def test_cuda_filtered_speed_matches_simulated_rule(monkeypatch, case, dtype, gather_share):
+def test_cuda_filtered_speed_matches_simulated_rule(case, dtype, gather_share):
     """The same rule on the GPU: 2048 rows in blocks of 512, V = 40000 (79 tiles), D = 96."""
-    import interop.blocking
-    import torch_impl.blocked
-
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     n, d, vocab = 2048, 96, 40000
-    monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 512 * vocab)
-    monkeypatch.setattr(torch_impl.blocked, "GATHER_SHARE", gather_share)
+    tuning = dataclasses.replace(SMALL_BLOCKS, speed_block_elements=512 * vocab, gather_share=gather_share)
     opts, bias, class_weights = OPTION_CASES[case]
     x, W, y, b, cw = make_inputs(seed_of("cuda", case, str(dtype)), vocab, dtype, "VD", bias, class_weights, n, d, "cuda")
-    got = run(x, W, y, b, cw, "VD", opts, "speed", 1e-3, 1.0)
+    got = run(x, W, y, b, cw, "VD", opts, "speed", 1e-3, 1.0, tuning)
     *want, keep = simulated_grads(x, W, b, cw, y, opts, 1e-3, 512, 1.0)
     assert 0 < keep.double().mean() < 0.5
     exact = simulated_grads(x, W, b, cw, y, opts, 0.0, 512, 1.0)[:3]

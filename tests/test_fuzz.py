@@ -20,7 +20,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.frameworks import LAYOUTS, JaxAdapter, TorchAdapter, make_problem, reference, rel_err, seed_of, tolerance
+from tests.frameworks import (LAYOUTS, JaxAdapter, TorchAdapter, device, make_problem, reference, rel_err, seed_of, tolerance,
+                              torch_outputs)
 
 BUDGET_S = float(os.environ.get("LOGITLESS_FUZZ_SECONDS", "60"))
 SEED = int(os.environ.get("LOGITLESS_FUZZ_SEED", "20261125"))
@@ -30,19 +31,13 @@ LOGIT_SCALES = {"bfloat16": (1.0, 4.0, 20.0, 60.0, 300.0), "float16": (1.0, 4.0,
 TORCH_ARGS = ("x", "W", "b", "cw", "y")
 
 
-def _device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _naive(p, options: dict, g_out, g_lse):
     """Loss, lse and gradients of the unfused loss in the input dtype (float64 numpy)."""
     import torch
     import torch.nn.functional as F
 
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[p.dtype]
-    dev = _device()
+    dev = device()
     x = torch.tensor(p.x, device=dev).to(dt).requires_grad_()
     W = torch.tensor(p.W, device=dev).to(dt).requires_grad_()
     b = None if p.b is None else torch.tensor(p.b, device=dev).to(dt).requires_grad_()
@@ -59,16 +54,7 @@ def _naive(p, options: dict, g_out, g_lse):
     rows = rows + options.get("z_loss", 0.0) * lse.reshape(-1) ** 2 * valid
     denom = valid.sum() if cw is None else (cw[y.reshape(-1).clamp(min=0)] * valid).sum()
     loss = {"none": rows.reshape(y.shape), "sum": rows.sum(), "mean": rows.sum() / denom}[reduction]
-    outs, gins = [loss], [torch.tensor(g_out, dtype=torch.float32, device=dev)]
-    if g_lse is not None:
-        outs.append(lse)
-        gins.append(torch.tensor(g_lse, dtype=torch.float32, device=dev))
-    leaves = [t for t in (x, W, b) if t is not None]
-    grads = torch.autograd.grad(outs, leaves, gins)
-    result = {"loss": loss, "lse": lse, "grad_x": grads[0], "grad_W": grads[1]}
-    if b is not None:
-        result["grad_b"] = grads[2]
-    return {k: v.detach().double().cpu().numpy() for k, v in result.items()}
+    return torch_outputs(loss, lse, {"x": x, "W": W, "b": b}, g_out, g_lse)
 
 
 def _case(rng: np.random.Generator):
@@ -136,7 +122,7 @@ def test_fuzz_against_float64_reference():
 def _adapter(adapters: dict, impl: str):
     framework, strategy = impl.split("-")
     if impl not in adapters:
-        adapters[impl] = TorchAdapter(strategy, _device()) if framework == "torch" else JaxAdapter(strategy)
+        adapters[impl] = TorchAdapter(strategy, device()) if framework == "torch" else JaxAdapter(strategy)
     return adapters[impl]
 
 

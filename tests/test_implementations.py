@@ -1,7 +1,9 @@
 """Every implementation against the float64 reference, on the CPU.
 
 torch-chunked and jax-chunked are the pure-framework paths; torch-speed and torch-memory
-run the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
+run the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set by conftest). The
+implementations run with tests.frameworks.SMALL (several chunks / blocks at these small
+sizes; the defaults would use one), the block planner's tests with the Tuning they name.
 """
 
 from __future__ import annotations
@@ -10,42 +12,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.frameworks import (_NUMPY_DTYPE, CASES, DTYPES, JaxAdapter, TorchAdapter, cpu_implementations, make_problem, reference, rel_err, round_to, seed_of,
-                              tolerance, upstream_grads)
+import dataclasses
 
-IMPLEMENTATIONS = cpu_implementations()
+from interop.tuning import DEFAULT
+from tests.frameworks import (_NUMPY_DTYPE, CASES, DTYPES, SMALL, WHOLE_ROW_MEMORY, JaxAdapter, TorchAdapter,
+                              check_against_reference, cpu_implementations, make_problem, reference, rel_err, round_to,
+                              seed_of, tolerance, upstream_grads)
 
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    """Several chunks / blocks at these small sizes (the defaults would use one).
-
-    chunked: ceil(N * D / V) rows, 5 for most problems here; speed: blocks of 4 whole rows;
-    memory: blocks of 4 rows x 8 to 12 columns (JAX: 8); an fp32 grad_weight of a 16-bit W in 5
-    vocabulary slabs.
-    """
-    import interop.options
-    import interop.blocking
-
-    monkeypatch.setattr(interop.options, "MIN_CHUNK_ROWS", 1)
-    monkeypatch.setattr(interop.blocking, "MIN_BLOCK", 4)
-    monkeypatch.setattr(interop.blocking, "MIN_MEMORY_BLOCK", (4, 4))
-    monkeypatch.setattr(interop.blocking, "SPEED_BLOCK_ELEMENTS", 5 * 53)
-    monkeypatch.setattr(interop.blocking, "WEIGHT_GRAD_SLABS", 5)
-    monkeypatch.setattr(interop.blocking, "WEIGHT_GRAD_SLAB_BYTES", 1)
-    monkeypatch.setattr(interop.blocking, "SLAB_ALIGN", 1)
-    monkeypatch.setattr(interop.blocking, "XLA_MEMORY_COLS", 8)
-    monkeypatch.setattr(interop.blocking, "XLA_GEMM_WORKSPACE", 0)
-    monkeypatch.setattr(interop.blocking, "XLA_ROW_BYTES", 0)
-
-
-def check_against_reference(result, ref, dtype, logit_scale=1.0, keys=("loss", "lse", "grad_x", "grad_W", "grad_b")):
-    ref_of = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
-    tol = tolerance(dtype, logit_scale)
-    for key in keys:
-        if key not in result:
-            continue
-        err = rel_err(result[key], ref_of[key])
-        assert err <= tol, f"{key}: relative error {err:.3g} > {tol:.3g} ({dtype})"
+IMPLEMENTATIONS = cpu_implementations(SMALL)
 
 
 @pytest.mark.parametrize("layout", ["VD", "DV"])
@@ -136,7 +110,7 @@ def test_torch_non_contiguous_inputs():
     y = torch.from_numpy(np.stack([p.y, p.y], -1))[..., 0]  # non-contiguous targets
     b = torch.from_numpy(p.b).requires_grad_()
     assert not (x.is_contiguous() or W.is_contiguous() or y.is_contiguous())
-    loss = torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, label_smoothing=0.1)
+    loss = torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, label_smoothing=0.1, tuning=SMALL)
     loss.backward()
     ref = reference(p, dict(label_smoothing=0.1), 1.0, None)
     tol = tolerance("float32")
@@ -155,8 +129,10 @@ def test_torch_module_matches_function():
     p = make_problem(4, class_weights=True)
     x, W, y = torch.from_numpy(p.x), torch.from_numpy(p.W), torch.from_numpy(p.y)
     cw = torch.from_numpy(p.cw)
-    module = torch_impl.LinearCrossEntropyLoss(cw, reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=3.0)
-    expected = torch_impl.linear_cross_entropy(x, W, y, weight=cw, reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=3.0)
+    module = torch_impl.LinearCrossEntropyLoss(cw, reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=3.0,
+                                               tuning=SMALL)
+    expected = torch_impl.linear_cross_entropy(x, W, y, weight=cw, reduction="sum", label_smoothing=0.1, z_loss=1e-3,
+                                               softcap=3.0, tuning=SMALL)
     assert torch.equal(module(x, W, y), expected)
     ref = reference(p, dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=3.0), 1.0, None)
     assert rel_err(module(x, W, y).numpy(), ref.loss) <= tolerance("float32")
@@ -170,64 +146,61 @@ def test_torch_module_takes_every_option_of_the_function():
 
     function = set(inspect.signature(torch_impl.linear_cross_entropy).parameters) - {"input", "linear_weight", "target", "linear_bias"}
     module = set(inspect.signature(torch_impl.LinearCrossEntropyLoss).parameters)
+    module |= set(inspect.signature(torch_impl.LinearCrossEntropyLoss.forward).parameters)  # per call: num_items_in_batch
     assert function <= module, f"missing from LinearCrossEntropyLoss: {sorted(function - module)}"
     assert "strategy='memory'" in repr(torch_impl.LinearCrossEntropyLoss(strategy="memory", filter_eps=2**-12))
 
 
-def test_block_rules_split_these_problems(small_chunks):
-    """The cases above run over several chunks / blocks, the last ones partial."""
+def test_block_rules_split_these_problems():
+    """The cases above run over several chunks / blocks (SMALL), the last ones partial."""
     import torch
 
-    from interop.options import default_chunk_rows
+    from interop.blocking import chunk_rows
     from torch_impl.blocked import plan_blocks
 
-    assert default_chunk_rows(13, 19, 53) == 5 and default_chunk_rows(14, 19, 53) == 6
-    assert default_chunk_rows(0, 19, 53) == 1
-    speed = plan_blocks("speed", 13, 19, 53, torch.float32, False)
-    assert (speed.block_rows, speed.block_cols, speed.accumulate_dtype) == (4, 53, torch.float32)
-    memory = plan_blocks("memory", 13, 19, 53, torch.bfloat16, False)
-    assert memory.block_rows == 4 and 4 <= memory.block_cols < 53 and 53 % memory.block_cols
+    assert chunk_rows(SMALL, 13, 19, 53) == 5 and chunk_rows(SMALL, 14, 19, 53) == 6
+    assert chunk_rows(SMALL, 0, 19, 53) == 1
+    speed = plan_blocks(SMALL, "speed", 13, 19, 53, torch.float32, False)
+    assert (speed.layout, speed.block_rows, speed.block_cols, speed.accumulate_dtype) == ("rows", 4, 53, torch.float32)
+    memory = plan_blocks(SMALL, "memory", 13, 19, 53, torch.bfloat16, False)
+    assert memory.layout == "tiles" and memory.block_rows == 4 and 4 <= memory.block_cols < 53 and 53 % memory.block_cols
 
 
-@pytest.fixture
-def default_sizes(monkeypatch):
-    """The library's block sizes: small_chunks' patches (the same monkeypatch) undone."""
-    monkeypatch.undo()
-
-
-def test_memory_takes_whole_rows_where_enough_fit(default_sizes):
-    """interop.blocking.whole_row_memory_scratch: L's "memory" in whole rows, its scratch plus
+def test_memory_takes_whole_rows_where_enough_fit():
+    """interop.blocking.whole_row_memory_scratch (default tuning): L's "memory" in whole rows, its scratch plus
     the first block's row copies within 9.3% of the floor (the issue's memory-first bound is
     10% + 16 bytes a row), blocks growing into grad_input's unwritten rows (800 rows first,
     352 near the end); G's in rows and columns; a call whose rows all fit in one block."""
     import interop.blocking as blocking
 
+    t = DEFAULT
     n_all, kept, D, V = 16384, 14746, 4096, 128256
-    scratch = blocking.whole_row_memory_scratch(n_all, kept, D, V, 2, gathered_rows=True)
+    scratch = blocking.whole_row_memory_scratch(t, n_all, kept, D, V, 2, gathered_rows=True)
     sizes, left = [], kept
     while left:
-        sizes.append(blocking.scratch_block_rows(left, D, V, scratch))
+        sizes.append(blocking.scratch_block_rows(t, left, D, V, scratch))
         assert sizes[-1] * V <= (left - sizes[-1]) * D + scratch, "a block's logits overflow the scratch"
         left -= sizes[-1]
     assert sizes[:2] == [800, 768] and min(sizes[:-1]) == 352 and len(sizes) == 27
     floor = (n_all + V) * D
-    assert scratch + 2 * sizes[0] * D <= blocking.WHOLE_ROW_FRACTION * floor < 0.1 * floor
-    assert blocking.whole_row_memory_scratch(8192, 8192, 2304, 256000, 2) is None
-    assert blocking.whole_row_memory_block_rows(n_all, D, V, 2, gathered_rows=True) == 250  # JAX: fixed blocks
-    assert blocking.whole_row_memory_block_rows(8192, 2304, 256000, 2, gathered_rows=True) is None
-    assert blocking.xla_memory_block_shape(8192, 2304, 256000, 2) == (3712, 2048)  # JAX at G: 2 blocks of its kept rows
-    assert blocking.whole_row_memory_scratch(100, 100, 4096, V, 2) == 100 * V
-    assert blocking.scratch_block_rows(100, 4096, V, 100 * V) == 100
+    assert scratch + 2 * sizes[0] * D <= t.whole_row_fraction * floor < 0.1 * floor
+    assert blocking.whole_row_memory_scratch(t, 8192, 8192, 2304, 256000, 2) is None
+    assert blocking.whole_row_memory_block_rows(t, n_all, D, V, 2, gathered_rows=True) == 250  # JAX: fixed blocks
+    assert blocking.whole_row_memory_block_rows(t, 8192, 2304, 256000, 2, gathered_rows=True) is None
+    assert blocking.xla_memory_block_shape(t, 8192, 2304, 256000, 2) == (3712, 2048)  # JAX at G: 2 blocks of its kept rows
+    assert blocking.whole_row_memory_scratch(t, 100, 100, 4096, V, 2) == 100 * V
+    assert blocking.scratch_block_rows(t, 100, 4096, V, 100 * V) == 100
 
 
 @pytest.mark.parametrize("n_rows, rows", [(8192, 227), (1000, 300), (16384, 250), (900, 300), (100, 100), (300, 120)])
 def test_jax_whole_row_blocks_end_in_no_thin_block(n_rows, rows):
     """interop.blocking.without_a_thin_last_block: the most rows per block, at most `rows`,
-    whose last block holds at least min(rows, MIN_LAST_ROWS) rows, or `rows` when none does."""
-    from interop.blocking import MIN_LAST_ROWS, without_a_thin_last_block
+    whose last block holds at least min(rows, Tuning.min_last_rows) rows (default tuning), or
+    `rows` when none does."""
+    from interop.blocking import without_a_thin_last_block
 
-    r = without_a_thin_last_block(n_rows, rows)
-    fewest = min(rows, MIN_LAST_ROWS)
+    r = without_a_thin_last_block(DEFAULT, n_rows, rows)
+    fewest = min(rows, DEFAULT.min_last_rows)
     ends_well = lambda k: n_rows % k == 0 or n_rows % k >= fewest
     if not any(ends_well(k) for k in range(fewest, rows + 1)):
         assert r == rows  # (300, 120: no block of 120 rows ends well)
@@ -247,7 +220,7 @@ def test_whole_row_blocks_write_no_logits_over_grad_input_rows_still_needed():
     n_all, D, V, scratch = 40, 7, 23, 3 * 23
     active = torch.tensor([0, 2, 3, 5, 8, 9, 13, 17, 18, 21, 22, 25, 30, 31, 33, 34, 38, 39])
     x, W = torch.zeros(n_all, D, dtype=torch.bfloat16), torch.zeros(V, D, dtype=torch.bfloat16)
-    plan = BlockPlan("speed", 3, V, torch.bfloat16, grad_input_scratch=scratch)
+    plan = BlockPlan("memory", "rows", 3, V, torch.bfloat16, grad_input_scratch=scratch)
     blocks = HeadBlocks(x, W, None, "VD", plan, active=active)
     dx, _, _, _ = blocks.gradient_buffers(True, False, False)
     base, end = dx.data_ptr(), dx.data_ptr() + (n_all * D + 64 + scratch) * 2
@@ -260,24 +233,10 @@ def test_whole_row_blocks_write_no_logits_over_grad_input_rows_still_needed():
     assert sum(sizes) == len(active) and sizes[0] > 3 and sizes[-1] <= 3
 
 
-@pytest.fixture
-def whole_row_memory(monkeypatch):
-    """"memory" in blocks of whole rows at these sizes: a scratch of 4.5 rows of 53 logits
-    (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input;
-    in JAX, whose XLA workspace and per-row temporaries are left out here, 2: it counts 2 D
-    values a row beside the logits, 238 // (53 + 2 * 19))."""
-    import interop.blocking as blocking
-
-    monkeypatch.setattr(blocking, "MIN_WHOLE_ROWS", 1)
-    monkeypatch.setattr(blocking, "WHOLE_ROW_ALIGN", 1)
-    monkeypatch.setattr(blocking, "WHOLE_ROW_FRACTION", 4.5 * 53 / ((13 + 53) * 19))
-    monkeypatch.setattr(blocking, "XLA_GEMM_WORKSPACE", 0)
-    monkeypatch.setattr(blocking, "XLA_ROW_BYTES", 0)
-
-
-def test_memory_plans_in_whole_rows(whole_row_memory):
-    """Both frameworks' "memory" plans where whole rows fit: "speed" blocks with grad_weight in
-    the input dtype; PyTorch's with the scratch after grad_input, JAX's within the scratch."""
+def test_memory_plans_in_whole_rows():
+    """Both frameworks' "memory" plans where whole rows fit (tests.frameworks.WHOLE_ROW_MEMORY):
+    blocks of whole rows (layout "rows") with grad_weight in the input dtype; PyTorch's with
+    the scratch after grad_input, JAX's within the scratch."""
     import jax.numpy as jnp
     import torch
 
@@ -285,73 +244,76 @@ def test_memory_plans_in_whole_rows(whole_row_memory):
     from jax_impl.blocked import plan
     from torch_impl.blocked import BlockPlan, plan_blocks
 
-    assert plan_blocks("memory", 13, 19, 53, torch.float32, False) == BlockPlan("speed", 4, 53, torch.float32, None, 238)
-    cfg = plan(CrossEntropyOptions(), "VD", "memory", 13, 19, 53, jnp.bfloat16, False, False, "cpu")
-    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.accumulate_in_input_dtype) == ("speed", 2, 53, True)
+    t = WHOLE_ROW_MEMORY
+    assert plan_blocks(t, "memory", 13, 19, 53, torch.float32, False) == BlockPlan("memory", "rows", 4, 53, torch.float32,
+                                                                                   None, 238, t)
+    cfg = plan(t, CrossEntropyOptions(), "VD", "memory", 13, 19, 53, jnp.bfloat16, False, False, "cpu")
+    assert (cfg.strategy, cfg.layout, cfg.block_rows, cfg.block_cols, cfg.accumulate_in_input_dtype, cfg.tuning) == (
+        "memory", "rows", 2, 53, True, t)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("adapter", [TorchAdapter, JaxAdapter])
-def test_memory_in_whole_rows_matches_reference(whole_row_memory, adapter, case, dtype):
-    """"memory" where whole rows fit runs "speed"'s blocks with grad_weight in the input
-    dtype (several row blocks here), against the float64 reference."""
+def test_memory_in_whole_rows_matches_reference(adapter, case, dtype):
+    """"memory" where whole rows fit (WHOLE_ROW_MEMORY) runs blocks of whole rows with
+    grad_weight in the input dtype (several row blocks here), against the float64 reference."""
     options, problem_kwargs, with_lse = CASES[case]
     seed = seed_of("whole-row-memory", case, dtype)
     p = make_problem(seed, dtype=dtype, **problem_kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
-    result = adapter("memory").run(p, options, g_out, g_lse)
+    result = adapter("memory", tuning=WHOLE_ROW_MEMORY).run(p, options, g_out, g_lse)
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
 @pytest.mark.parametrize("layout", ["VD", "DV"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_jax_memory_in_kernel_blocks_matches_reference(monkeypatch, case, dtype, layout):
-    """JAX "memory" for a head too small for XLA's products (their GEMM workspace counted as
-    1 TiB here): blocks of 4 rows (13: 4, 4, 4, 1) x 8 columns (53: 6 x 8, then 5) through
-    `row_products`' kernels, against the float64 reference."""
+def test_jax_memory_in_kernel_blocks_matches_reference(case, dtype, layout):
+    """JAX "memory" for a head too small for XLA's products (SMALL, their GEMM workspace
+    counted as 1 TiB here): blocks of 4 rows (13: 4, 4, 4, 1) x 8 columns (53: 6 x 8, then 5)
+    through `row_products`' kernels, against the float64 reference."""
     import jax.numpy as jnp
 
-    import interop.blocking as blocking
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import plan
 
     itemsize = jnp.dtype(dtype).itemsize
     row_bytes = 8 * itemsize + 19 * (4 + itemsize)  # logits, fp32 grad_input accumulator, x
-    monkeypatch.setattr(blocking, "XLA_GEMM_WORKSPACE", 1 << 40)
-    monkeypatch.setattr(blocking, "WHOLE_ROW_FRACTION", 4.5 * row_bytes / ((13 + 53) * 19 * itemsize))
-    cfg = plan(CrossEntropyOptions(), layout, "memory", 13, 19, 53, jnp.dtype(dtype), False, False, "cpu")
-    assert (cfg.strategy, cfg.kernel_products, cfg.block_rows, cfg.block_cols) == ("memory", True, 4, 8)
+    t = dataclasses.replace(SMALL, xla_gemm_workspace=1 << 40,
+                            whole_row_fraction=4.5 * row_bytes / ((13 + 53) * 19 * itemsize))
+    cfg = plan(t, CrossEntropyOptions(), layout, "memory", 13, 19, 53, jnp.dtype(dtype), False, False, "cpu")
+    assert (cfg.strategy, cfg.layout, cfg.kernel_products, cfg.block_rows, cfg.block_cols) == ("memory", "tiles", True, 4, 8)
     options, problem_kwargs, with_lse = CASES[case]
     seed = seed_of("kernel-blocks", case, dtype, layout)
     p = make_problem(seed, dtype=dtype, weight_layout=layout, **problem_kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
-    result = JaxAdapter("memory").run(p, options, g_out, g_lse)
+    result = JaxAdapter("memory", t).run(p, options, g_out, g_lse)
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
-def test_jax_memory_plans_kernel_products_only_for_small_heads(default_sizes):
-    """interop.blocking.kernel_memory_block_shape at the default sizes: S, GPT-2's and
+def test_jax_memory_plans_kernel_products_only_for_small_heads():
+    """interop.blocking.kernel_memory_block_shape at the default tuning: S, GPT-2's and
     Llama-2-7B's heads (XLA's GEMM workspace alone is over a tenth of their gradients'
     bytes) take blocks of rows and columns through `row_products`; L keeps XLA's whole rows,
-    G XLA's rows x columns; a head too small for even MIN_BLOCK rows keeps XLA's smallest
-    blocks."""
+    G XLA's rows x columns; a head too small for even Tuning.min_block rows keeps XLA's
+    smallest blocks."""
     import jax.numpy as jnp
 
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import plan
 
     def planned(n, d, v):
-        cfg = plan(CrossEntropyOptions(), "VD", "memory", n, d, v, jnp.bfloat16, False, False, "gpu")
-        return cfg.strategy, cfg.kernel_products, cfg.block_rows, cfg.block_cols
+        cfg = plan(DEFAULT, CrossEntropyOptions(), "VD", "memory", n, d, v, jnp.bfloat16, False, False, "gpu")
+        assert cfg.strategy == "memory"
+        return cfg.layout, cfg.kernel_products, cfg.block_rows, cfg.block_cols
 
-    assert planned(4096, 1024, 32000) == ("memory", True, 384, 2048)  # S
-    assert planned(4096, 768, 50257) == ("memory", True, 640, 2048)  # GPT-2
-    assert planned(8192, 4096, 32000) == ("memory", True, 896, 2048)  # Llama-2-7B
-    assert planned(16384, 4096, 128256) == ("speed", False, 250, 128256)  # L: XLA's whole rows
-    assert planned(8192, 2304, 256000) == ("memory", False, 3712, 2048)  # G
-    assert planned(1024, 128, 16000) == ("memory", False, 128, 2048)
+    assert planned(4096, 1024, 32000) == ("tiles", True, 384, 2048)  # S
+    assert planned(4096, 768, 50257) == ("tiles", True, 640, 2048)  # GPT-2
+    assert planned(8192, 4096, 32000) == ("tiles", True, 896, 2048)  # Llama-2-7B
+    assert planned(16384, 4096, 128256) == ("rows", False, 250, 128256)  # L: XLA's whole rows
+    assert planned(8192, 2304, 256000) == ("tiles", False, 3712, 2048)  # G
+    assert planned(1024, 128, 16000) == ("tiles", False, 128, 2048)
 
 
 @pytest.mark.parametrize("layout", ["VD", "DV"])
@@ -426,16 +388,17 @@ def _jax_speed_temp_bytes(n: int, hidden: int, vocab: int, rows: int, return_lse
     import jax.numpy as jnp
 
     from interop.options import CrossEntropyOptions
-    from jax_impl.blocked import BlockedConfig, blocked_linear_cross_entropy
+    from jax_impl.blocked import BlockedConfig
+    from jax_impl.function import kernel_linear_cross_entropy
 
-    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "speed", rows, vocab, True, return_lse,
-                        interpret=True, skip_ignored=skip, fused_stats=False)
+    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "speed", "rows", rows, vocab, True,
+                        return_lse, interpret=True, skip_ignored=skip, fused_stats=False, tuning=DEFAULT)
     args = [jax.ShapeDtypeStruct((n, hidden), jnp.bfloat16), jax.ShapeDtypeStruct((vocab, hidden), jnp.bfloat16)]
     if y is None:
-        loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
+        loss = lambda x, W, y: kernel_linear_cross_entropy(x, W, None, None, y, cfg)[0]
         args.append(jax.ShapeDtypeStruct((n,), jnp.int32))
     else:
-        loss = lambda x, W: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
+        loss = lambda x, W: kernel_linear_cross_entropy(x, W, None, None, y, cfg)[0]
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -464,28 +427,29 @@ def test_jax_constant_targets_need_no_more_memory():
     assert _jax_speed_temp_bytes(*args, y=y) <= _jax_speed_temp_bytes(*args) + 64 * 1000
 
 
-def test_jax_rows_x_columns_blocks_take_the_most_rows_that_fit(default_sizes):
-    """interop.blocking.xla_memory_block_shape: as many rows as XLA's counted memory allows
-    (rounded down to MIN_BLOCK, then trimmed so the last block is not thin), not the rows
+def test_jax_rows_x_columns_blocks_take_the_most_rows_that_fit():
+    """interop.blocking.xla_memory_block_shape (default tuning): as many rows as XLA's counted
+    memory allows (rounded down to Tuning.min_block, then trimmed so the last block is not thin), not the rows
     spread evenly: G's 7395 rows not ignored (10% of 8192) take 2 row blocks, where 2816
     rows (even over 3 blocks) took 3; an empty call still gets a block of 1 row."""
     import math
 
     import interop.blocking as blocking
 
+    t = DEFAULT
     for n, d in [(8192, 2304), (16384, 2304), (4096, 2304), (7500, 2304), (8192, 1536), (8192, 3072)]:
-        fit, cols = blocking._xla_memory_rows(n, d, 256000, 2)
-        rows, block_cols = blocking.xla_memory_block_shape(n, d, 256000, 2)
+        fit, cols = blocking._xla_memory_rows(t, n, d, 256000, 2)
+        rows, block_cols = blocking.xla_memory_block_shape(t, n, d, 256000, 2)
         assert block_cols == cols == 2048
-        assert rows <= min(n, fit) and rows >= min(n, fit // 128 * 128) - blocking.MIN_LAST_ROWS, (n, d, fit, rows)
-        assert n % rows == 0 or n % rows >= blocking.MIN_LAST_ROWS, (n, d, rows)
-    rows = blocking.xla_memory_block_shape(8192, 2304, 256000, 2)[0]
-    assert math.ceil(7395 / rows) == 2 < math.ceil(7395 / blocking.even_rows(8192, rows))
-    assert blocking.xla_memory_block_shape(0, 2304, 256000, 2)[0] == 1
+        assert rows <= min(n, fit) and rows >= min(n, fit // 128 * 128) - t.min_last_rows, (n, d, fit, rows)
+        assert n % rows == 0 or n % rows >= t.min_last_rows, (n, d, rows)
+    rows = blocking.xla_memory_block_shape(t, 8192, 2304, 256000, 2)[0]
+    assert math.ceil(7395 / rows) == 2 < math.ceil(7395 / blocking.even_rows(t, 8192, rows))
+    assert blocking.xla_memory_block_shape(t, 0, 2304, 256000, 2)[0] == 1
 
 
-def test_jax_memory_plan_and_fused_forward(default_sizes):
-    """JAX "memory" at G in rows x columns: blocks of 3712 x 2048 (default sizes), and a
+def test_jax_memory_plan_and_fused_forward():
+    """JAX "memory" at G in rows x columns: blocks of 3712 x 2048 (default tuning), and a
     forward pass from `fused_stats` (no column blocks of its own); "speed" takes whole rows
     and XLA's products in the forward pass too."""
     import jax.numpy as jnp
@@ -494,10 +458,10 @@ def test_jax_memory_plan_and_fused_forward(default_sizes):
     from interop.options import CrossEntropyOptions
 
     opts = CrossEntropyOptions("mean", -100, 0.0, 0.0, None)
-    cfg = plan(opts, "VD", "memory", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
-    assert (cfg.strategy, cfg.block_rows, cfg.block_cols, cfg.fused_stats) == ("memory", 3712, 2048, True)
-    speed = plan(opts, "VD", "speed", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
-    assert (speed.block_cols, speed.fused_stats) == (256000, False)
+    cfg = plan(DEFAULT, opts, "VD", "memory", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
+    assert (cfg.strategy, cfg.layout, cfg.block_rows, cfg.block_cols, cfg.fused_stats) == ("memory", "tiles", 3712, 2048, True)
+    speed = plan(DEFAULT, opts, "VD", "speed", 8192, 2304, 256000, jnp.bfloat16, False, False, "gpu")
+    assert (speed.strategy, speed.layout, speed.block_cols, speed.fused_stats) == ("speed", "rows", 256000, False)
 
 
 @pytest.mark.parametrize("case", ["mean", "everything-none-lse", "zloss-softcap-bias"])
@@ -514,10 +478,10 @@ def test_jax_memory_forward_forms_no_logits_block(case):
     seed = seed_of(case, "float32", "DV")
     p = make_problem(seed, weight_layout="DV", **problem_kwargs)
     g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
-    result = JaxAdapter("memory").run(p, options, g_out, g_lse)
+    result = JaxAdapter("memory", SMALL).run(p, options, g_out, g_lse)
     check_against_reference(result, reference(p, options, g_out, g_lse), "float32", p.logit_scale)
     x, W, y = (jnp.asarray(a) for a in (p.x, p.W, p.y))
-    loss = lambda x, W: jax_impl.linear_cross_entropy(x, W, y, weight_layout="DV", strategy="memory").sum()
+    loss = lambda x, W: jax_impl.linear_cross_entropy(x, W, y, weight_layout="DV", strategy="memory", tuning=SMALL).sum()
     products = lambda f: [e for e in _equations(jax.make_jaxpr(f)(x, W).jaxpr, into_kernels=False)
                           if e.primitive.name == "dot_general"]
     assert not products(loss)
@@ -531,10 +495,10 @@ _STATS_CASES = {"plain": (False, False, None, False), "bias-softcap": (True, Fal
 @pytest.mark.parametrize("layout", ["VD", "DV"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("case", list(_STATS_CASES))
-def test_fused_row_stats_match_float64(monkeypatch, case, dtype, layout):
+def test_fused_row_stats_match_float64(case, dtype, layout):
     """`fused_stats.row_stats` against float64 on the same (rounded) inputs: 300 rows (3 row
     tiles, the first 257 computed), D = 100 (a partial step of the product), V = 1100 in 2
-    vocabulary splits of 3 and 2 tiles, the last partial. It works in fp32 from exact
+    vocabulary splits of 3 and 2 tiles (about 4 programs), the last partial. It works in fp32 from exact
     inputs: each product is within 4 D eps32 sum_k |x_k w_k| of float64's, then rounded to
     the input dtype (one ulp of it where fp32's error moves the rounding), + 8 eps32 cap
     through the softcap; its sums over V add V eps32 of their terms' magnitude."""
@@ -542,7 +506,6 @@ def test_fused_row_stats_match_float64(monkeypatch, case, dtype, layout):
 
     import jax_impl.fused_stats as fused
 
-    monkeypatch.setattr(fused, "PROGRAMS", 4)
     has_bias, has_cw, cap, need_ws = _STATS_CASES[case]
     rng = np.random.default_rng(seed_of("fused", case, dtype, layout))
     N, D, V, n = 300, 100, 1100, 257
@@ -551,7 +514,8 @@ def test_fused_row_stats_match_float64(monkeypatch, case, dtype, layout):
     b = jnp.asarray(rng.standard_normal(V), dtype) if has_bias else None
     cw = jnp.asarray(rng.random(V), jnp.float32) if has_cw else None
     y = rng.integers(0, V, N).astype(np.int32)
-    stats = fused.row_stats(x, W if layout == "VD" else W.T, b, cw, jnp.asarray(y), n, layout, cap, need_ws, True)
+    stats = fused.row_stats(x, W if layout == "VD" else W.T, b, cw, jnp.asarray(y), n, layout, cap, need_ws, True,
+                            programs=4)
 
     x64, W64 = np.asarray(x, np.float64), np.asarray(W, np.float64)
     eps = np.finfo(np.float32).eps
@@ -605,8 +569,8 @@ def test_jax_sums_dz_columns_only_for_a_bias(strategy):
 
     p = make_problem(5, lead=(12,), bias=True)
     x, W, b, y = (jnp.asarray(a) for a in (p.x, p.W, p.b, p.y))
-    rows = 4  # the small_chunks fixture's blocks (chunked: 5 rows)
-    loss = lambda x, W, b: jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, strategy=strategy)
+    rows = 4  # SMALL's blocks (chunked: 5 rows)
+    loss = lambda x, W, b: jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, strategy=strategy, tuning=SMALL)
     n = 5 if strategy == "chunked" else rows
     with_bias = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, W, b).jaxpr
     without = jax.make_jaxpr(jax.grad(lambda x, W: loss(x, W, None), argnums=(0, 1)))(x, W).jaxpr
@@ -615,52 +579,53 @@ def test_jax_sums_dz_columns_only_for_a_bias(strategy):
 
 
 def test_speed_blocks_grow_with_a_16_bit_accumulator():
-    """"speed" blocks take NARROW_SPEED_BLOCK_GROWTH x the logits when grad_weight is
+    """"speed" blocks take Tuning.narrow_speed_block_growth x the logits when grad_weight is
     accumulated in a 16-bit input dtype with one logits buffer and the head is large enough
     for the saved bytes to pay for it, and only then."""
-    import interop.blocking as blocking
+    from interop.blocking import block_shape
 
-    n, d, v = 10**6, 100, 5  # block sizes of the small_chunks fixture: 265 logits, rows in multiples of 4
-    rows = lambda elements: elements // v // blocking.MIN_BLOCK * blocking.MIN_BLOCK
-    wide = rows(blocking.SPEED_BLOCK_ELEMENTS)
-    assert blocking.block_shape("speed", n, d, v, 2)[0] == wide
-    narrow = blocking.block_shape("speed", n, d, v, 2, narrow_accumulator=True)[0]
-    assert narrow == rows(int(blocking.SPEED_BLOCK_ELEMENTS * blocking.NARROW_SPEED_BLOCK_GROWTH)) > wide
-    assert blocking.block_shape("speed", n, d, v, 4, narrow_accumulator=True)[0] == wide
-    assert blocking.block_shape("speed", n, d, v, 2, buffers=2, narrow_accumulator=True)[0] == wide
+    t = SMALL
+    n, d, v = 10**6, 100, 5  # SMALL's block sizes: 265 logits, rows in multiples of 4
+    rows = lambda elements: elements // v // t.min_block * t.min_block
+    wide = rows(t.speed_block_elements)
+    assert block_shape(t, "speed", n, d, v, 2)[0] == wide
+    narrow = block_shape(t, "speed", n, d, v, 2, narrow_accumulator=True)[0]
+    assert narrow == rows(int(t.speed_block_elements * t.narrow_speed_block_growth)) > wide
+    assert block_shape(t, "speed", n, d, v, 4, narrow_accumulator=True)[0] == wide
+    assert block_shape(t, "speed", n, d, v, 2, buffers=2, narrow_accumulator=True)[0] == wide
     small_head = 13  # 5 x 13 x 2 bytes saved < the 265 bytes the growth would take
-    assert blocking.block_shape("speed", n, small_head, v, 2, narrow_accumulator=True)[0] == wide
+    assert block_shape(t, "speed", n, small_head, v, 2, narrow_accumulator=True)[0] == wide
 
 
-def test_forward_only_speed_blocks_take_the_accumulators_bytes(monkeypatch):
+def test_forward_only_speed_blocks_take_the_accumulators_bytes():
     """A call without gradients holds no grad_weight accumulator: "speed" blocks then take
     what "speed" holds beyond the gradients (fp32 grad_weight + one block), spread evenly
-    over the fewest blocks, whole multiples of MIN_BLOCK rows (the default sizes here)."""
+    over the fewest blocks, whole multiples of Tuning.min_block rows (the default tuning here)."""
     import torch
 
     import interop.blocking as blocking
     from torch_impl.blocked import plan_blocks
 
-    monkeypatch.setattr(blocking, "MIN_BLOCK", 128)
-    monkeypatch.setattr(blocking, "SPEED_BLOCK_ELEMENTS", 1 << 28)
-    assert blocking.forward_only_rows(7373, 2304, 256000, 2) == 3712  # G's rows not ignored: 2 blocks, was 8
-    assert blocking.forward_only_rows(14746, 4096, 128256, 2) == 7424  # L's: 2 blocks, was 8
-    assert blocking.forward_only_rows(100, 4096, 128256, 2) == 100
+    t = DEFAULT
+    assert t.min_block == 128
+    assert blocking.forward_only_rows(t, 7373, 2304, 256000, 2) == 3712  # G's rows not ignored: 2 blocks, was 8
+    assert blocking.forward_only_rows(t, 14746, 4096, 128256, 2) == 7424  # L's: 2 blocks, was 8
+    assert blocking.forward_only_rows(t, 100, 4096, 128256, 2) == 100
     for n, d, v, itemsize in [(7373, 2304, 256000, 2), (50000, 4096, 128256, 2), (50000, 1024, 32000, 4)]:
-        rows = blocking.forward_only_rows(n, d, v, itemsize)
-        assert rows % blocking.MIN_BLOCK == 0 and rows * v * itemsize <= blocking.speed_extra_bytes(n, d, v, itemsize)
-        assert -(-n // rows) == -(-n * v * itemsize // blocking.speed_extra_bytes(n, d, v, itemsize))
-        assert rows > blocking.block_shape("speed", n, d, v, itemsize)[0]
+        rows = blocking.forward_only_rows(t, n, d, v, itemsize)
+        assert rows % t.min_block == 0 and rows * v * itemsize <= blocking.speed_extra_bytes(t, n, d, v, itemsize)
+        assert -(-n // rows) == -(-n * v * itemsize // blocking.speed_extra_bytes(t, n, d, v, itemsize))
+        assert rows > blocking.block_shape(t, "speed", n, d, v, itemsize)[0]
     for n, most in [(8192, 3156), (8192, 3000), (100, 3156), (5, 2), (0, 300)]:
-        rows = blocking.even_rows(n, most)  # the fewest blocks of at most `most` (rounded down to 128) rows, even
+        rows = blocking.even_rows(t, n, most)  # the fewest blocks of at most `most` (rounded down to 128) rows, even
         blocks = -(-n // rows) if n else 0
         assert rows <= max(n, 1) and (rows % 128 == 0 or rows == n or n == 0)
         assert blocks == (-(-n // max(128, most // 128 * 128)) if n else 0) and (not n or n - (blocks - 1) * rows > 0)
-    assert blocking.even_rows(8192, 3156) == 2816 and blocking.even_rows(8192, 3000) == 2816
-    speed = plan_blocks("speed", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
+    assert blocking.even_rows(t, 8192, 3156) == 2816 and blocking.even_rows(t, 8192, 3000) == 2816
+    speed = plan_blocks(t, "speed", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
     assert (speed.block_rows, speed.block_cols) == (3712, 256000)
-    memory = plan_blocks("memory", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
-    assert memory == plan_blocks("memory", 7373, 2304, 256000, torch.bfloat16, False)
+    memory = plan_blocks(t, "memory", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
+    assert memory == plan_blocks(t, "memory", 7373, 2304, 256000, torch.bfloat16, False)
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -668,27 +633,25 @@ def test_forward_only_speed_blocks_take_the_accumulators_bytes(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_forward_only_speed_in_larger_blocks_matches_reference(monkeypatch, dtype, case, skip):
     """Without gradients, "speed" runs the forward-only plan (several blocks here, fewer and
-    larger than with gradients), with and without skipping ignored rows; loss and lse match
-    the float64 reference."""
+    larger than with gradients; SMALL), with and without skipping ignored rows; loss and lse
+    match the float64 reference."""
     import torch
 
-    import interop.blocking
     from torch_impl import blocked
 
-    if skip:
-        monkeypatch.setattr(interop.blocking, "SKIP_IGNORED_MIN_WORK", 0)
+    t = dataclasses.replace(SMALL, skip_ignored_min_work=0) if skip else SMALL
     plans = []
     plan_blocks = blocked.plan_blocks
     monkeypatch.setattr(blocked, "plan_blocks", lambda *a, **k: plans.append(plan_blocks(*a, **k)) or plans[-1])
     options, problem_kwargs, with_lse = CASES[case]
     seed = seed_of(case, dtype, "VD")
     p = make_problem(seed, lead=(61,), dtype=dtype, **problem_kwargs)
-    adapter = TorchAdapter("speed")
+    adapter = TorchAdapter("speed", tuning=t)
     with torch.no_grad():
         out = adapter.call(p.x, p.W, p.y, linear_bias=p.b, weight=p.cw, return_lse=with_lse, **options)
     loss, lse = out if with_lse else (out, None)
     n_rows = 61 if not skip or case == "everything-none-lse" else int((p.y != options.get("ignore_index", -100)).sum())
-    with_grads = plan_blocks("speed", n_rows, 19, 53, adapter.dtypes[dtype], False)
+    with_grads = plan_blocks(t, "speed", n_rows, 19, 53, adapter.dtypes[dtype], False)
     assert 1 < -(-n_rows // plans[-1].block_rows) < -(-n_rows // with_grads.block_rows)
     ref = reference(p, options, upstream_grads(seed, p, options.get("reduction", "mean"), False)[0], None)
     check_against_reference({"loss": loss.double().numpy(), **({"lse": lse.double().numpy()} if with_lse else {})},
@@ -735,16 +698,15 @@ def test_weight_grad_slabs_add_column_blocks_anywhere(layout, blocks):
     """An fp32 grad_weight accumulator of a bf16 W is cut into vocabulary slabs (allocated
     uninitialised); column blocks that straddle slab edges land in the right rows
     (classes), and the result has W's dtype and layout and equals the float64 sum rounded
-    once to bf16 (zeros where no block went)."""
+    once to bf16 (zeros where no block went). SMALL: 5 slabs of 11 classes (the last 9)."""
     import torch
 
-    from interop.blocking import WEIGHT_GRAD_SLABS
     from torch_impl.blocked import WeightGrad
 
     torch.manual_seed(3)
     V, D, R = 53, 19, 7
-    acc = WeightGrad(torch.zeros((V, D) if layout == "VD" else (D, V), dtype=torch.bfloat16), layout, torch.float32)
-    assert len(acc.slabs) == WEIGHT_GRAD_SLABS
+    acc = WeightGrad(torch.zeros((V, D) if layout == "VD" else (D, V), dtype=torch.bfloat16), layout, torch.float32, SMALL)
+    assert len(acc.slabs) == SMALL.weight_grad_slabs == 5
     expected = torch.zeros(V, D, dtype=torch.float64)
     for v0, cols in blocks:
         dz, x = torch.randn(R, cols).bfloat16(), torch.randn(R, D).bfloat16()
@@ -758,18 +720,18 @@ def test_weight_grad_slabs_add_column_blocks_anywhere(layout, blocks):
     assert torch.equal(got[expected.abs().sum(1) == 0], torch.zeros_like(got[expected.abs().sum(1) == 0]))
 
 
-def test_weight_grad_slab_edges(monkeypatch):
-    """Slabs only for a wide accumulator, at most WEIGHT_GRAD_SLABS of at least
-    WEIGHT_GRAD_SLAB_BYTES (no patching here: the library's values), edges aligned."""
-    monkeypatch.undo()  # the library's values, not small_chunks'
-    from interop.blocking import SLAB_ALIGN, WEIGHT_GRAD_SLAB_BYTES, WEIGHT_GRAD_SLABS, weight_grad_slabs
+def test_weight_grad_slab_edges():
+    """Slabs only for a wide accumulator, at most Tuning.weight_grad_slabs of at least
+    Tuning.weight_grad_slab_bytes (the default tuning), edges aligned."""
+    from interop.blocking import weight_grad_slabs
 
-    assert weight_grad_slabs(128256, 4096 * 2, False) == [0, 128256]
+    t = DEFAULT
+    assert weight_grad_slabs(t, 128256, 4096 * 2, False) == [0, 128256]
     for vocab, hidden in [(128256, 4096), (256000, 2304), (32000, 1024)]:
-        edges = weight_grad_slabs(vocab, hidden * 4, True)
+        edges = weight_grad_slabs(t, vocab, hidden * 4, True)
         slabs = len(edges) - 1
         assert edges[0] == 0 and edges[-1] == vocab and all(a < b for a, b in zip(edges, edges[1:]))
-        assert slabs == min(WEIGHT_GRAD_SLABS, max(1, vocab * hidden * 4 // WEIGHT_GRAD_SLAB_BYTES))
-        assert all(e % SLAB_ALIGN == 0 for e in edges[:-1])
-    assert len(weight_grad_slabs(128256, 4096 * 4, True)) - 1 == WEIGHT_GRAD_SLABS  # L: 2 GiB
-    assert len(weight_grad_slabs(32000, 1024 * 4, True)) - 1 == 1  # S: one product
+        assert slabs == min(t.weight_grad_slabs, max(1, vocab * hidden * 4 // t.weight_grad_slab_bytes))
+        assert all(e % t.slab_align == 0 for e in edges[:-1])
+    assert len(weight_grad_slabs(t, 128256, 4096 * 4, True)) - 1 == t.weight_grad_slabs  # L: 2 GiB
+    assert len(weight_grad_slabs(t, 32000, 1024 * 4, True)) - 1 == 1  # S: one product

@@ -15,6 +15,7 @@ import types
 import numpy as np
 import pytest
 
+from interop.tuning import DEFAULT, Tuning
 from tests import distill_frameworks
 from tests.frameworks import JaxAdapter, make_problem, reference, rel_err, round_to, tolerance
 
@@ -137,20 +138,17 @@ def _naive_16bit_gradients(p):
 @pytest.mark.parametrize("logit_scale", [4.0, 64.0])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("strategy", ["speed", "memory", "memory-kernel-products", "chunked"])
-def test_16bit_gradients_as_accurate_as_naive(monkeypatch, strategy, dtype, logit_scale):
+def test_16bit_gradients_as_accurate_as_naive(strategy, dtype, logit_scale):
     """bf16/fp16 gradients within 1.25 times the naive 16-bit computation's error ("memory":
     2 times) at logits up to |z| ~ 300: the forward statistics come from the logits the
     backward pass recomputes, so p sums to 1 there (fp32 statistics against 16-bit
     recomputed logits were 21 times naive bf16's error at |z| ~ 300)."""
+    tuning = DEFAULT
     if strategy == "memory-kernel-products":  # blocks of rows and columns, products by row_products' kernels
-        import interop.blocking
-
-        for name, value in dict(MIN_BLOCK=4, MIN_MEMORY_BLOCK=(4, 4), XLA_MEMORY_COLS=8, XLA_GEMM_WORKSPACE=0,
-                                XLA_ROW_BYTES=0).items():
-            monkeypatch.setattr(interop.blocking, name, value)
+        tuning = Tuning(min_block=4, min_memory_block=(4, 4), xla_memory_cols=8, xla_gemm_workspace=0, xla_row_bytes=0)
     p = make_problem(34, lead=(48,), hidden=16, vocab=160, dtype=dtype, logit_scale=logit_scale)
     ref = reference(p, {}, np.asarray(1.0), None)
-    result = JaxAdapter(strategy.split("-")[0]).run(p, {}, np.asarray(1.0), None, wrt=("x", "W"))
+    result = JaxAdapter(strategy.split("-")[0], tuning).run(p, {}, np.asarray(1.0), None, wrt=("x", "W"))
     naive_x, naive_W = _naive_16bit_gradients(p)
     bound = 2.0 if strategy.startswith("memory") else 1.25
     for key, naive, r in (("grad_x", naive_x, ref.grad_input), ("grad_W", naive_W, ref.grad_weight)):

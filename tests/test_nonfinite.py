@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.frameworks import JaxAdapter, TorchAdapter, make_problem, reference
-from tests.test_fuzz import _device
+from tests.frameworks import JaxAdapter, TorchAdapter, device, make_problem, reference
 
 # PyTorch's kernels run on CUDA where there is a GPU (on a CPU, in Triton's interpreter)
-IMPLEMENTATIONS = {a.name: a for s in ("chunked", "speed", "memory") for a in (TorchAdapter(s, _device()), JaxAdapter(s))}
+IMPLEMENTATIONS = {a.name: a for s in ("chunked", "speed", "memory") for a in (TorchAdapter(s, device()), JaxAdapter(s))}
 UNTARGETED = 7  # a class no row targets: only the row statistics (max, sum) see it
 
 # placement: how it changes a problem (x [N, D], W [V, D], b [V], y [N])

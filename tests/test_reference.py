@@ -173,16 +173,15 @@ def torch_naive_loss(s, y, cw, *, reduction, ignore_index, eps, zl, lead):
     return loss, lse.reshape(lead)
 
 
+def _formula_options(case: Case) -> dict:
+    """The case's options as the naive formulas (torch's and JAX's) take them."""
+    return dict(reduction=case.reduction, ignore_index=case.ignore_index, eps=case.label_smoothing, zl=case.z_loss,
+                softcap=case.softcap, layout=case.layout)
+
+
 def torch_expected(case: Case, p: Problem, *, use_g_lse: bool, via: str = "naive"):
     """Loss, lse and gradients from torch autograd; via="naive" (the spec) or "F" (F.cross_entropy)."""
-    opts = dict(
-        reduction=case.reduction,
-        ignore_index=case.ignore_index,
-        eps=case.label_smoothing,
-        zl=case.z_loss,
-        softcap=case.softcap,
-        layout=case.layout,
-    )
+    opts = _formula_options(case)
     lead = p.x.shape[:-1]
     x = torch.tensor(p.x, requires_grad=True)
     w = torch.tensor(p.w, requires_grad=True)
@@ -290,14 +289,7 @@ def jax_expected(case: Case, p: Problem, *, use_g_lse: bool):
     A missing bias is a zero bias (its gradient discarded) and missing class weights are
     ones: the same function, and fewer compilations.
     """
-    opts = dict(
-        reduction=case.reduction,
-        ignore_index=case.ignore_index,
-        eps=case.label_smoothing,
-        zl=case.z_loss,
-        softcap=case.softcap,
-        layout=case.layout,
-    )
+    opts = _formula_options(case)
     vocab = p.w.shape[0] if opts["layout"] == "VD" else p.w.shape[1]
     f64 = jnp.float64
     with jax.enable_x64(True):

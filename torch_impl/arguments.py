@@ -41,3 +41,15 @@ def dense(t: torch.Tensor | None) -> torch.Tensor | None:
     strided, sliced, transposed or expanded view is copied once per call instead of misread.
     """
     return None if t is None else t.contiguous()
+
+
+def denominator(num_items_in_batch, dtype: torch.dtype, device) -> torch.Tensor | float | None:
+    """num_items_in_batch (None, a number > 0, or a tensor) as the denominator of a mean:
+    a tensor moved to `device` in `dtype`, a float, or None; ValueError for a number <= 0."""
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.to(device=device, dtype=dtype)
+    if isinstance(num_items_in_batch, bool) or not float(num_items_in_batch) > 0:
+        raise ValueError(f"num_items_in_batch must be a number > 0 or a tensor, got {num_items_in_batch!r}")
+    return float(num_items_in_batch)

@@ -15,10 +15,10 @@ Two strategies (`plan_blocks`):
   bytes. The backward pass recomputes the logits (8 N D V flops). grad_weight is
   accumulated in fp32 inside each row block (one matrix product over R rows) and in the
   input dtype across row blocks. Where enough whole rows fit in its budget
-  (interop.blocking.whole_row_memory_scratch), "memory" runs as "speed" in those blocks with
-  grad_weight in the input dtype (6 N D V flops); those blocks' logits lie in a scratch
-  that follows grad_input in one buffer and in grad_input's rows not written yet, so the
-  first blocks are the largest.
+  (interop.blocking.whole_row_memory_scratch), "memory" takes blocks of whole rows as
+  "speed" does (layout "rows", 6 N D V flops) with grad_weight in the input dtype; those
+  blocks' logits lie in a scratch that follows grad_input in one buffer and in grad_input's
+  rows not written yet, so the first blocks are the largest.
 Either may compute only some rows (`active`: those whose target is not ignored, from
 `torch_impl.functional.rows_to_compute`), gathered block by block.
 """
@@ -34,48 +34,53 @@ import torch
 from interop.blocking import (block_shape, forward_only_rows, scratch_block_rows, weight_grad_slabs,
                               whole_row_memory_scratch)
 from interop.options import CrossEntropyOptions
-from torch_impl.ce_kernels import RowMath, TargetCheck
-from torch_impl.kernels import FILTER_COLS, TileFilter, block_grad_, block_stats_
+from interop.tuning import DEFAULT, Tuning
+from torch_impl.kernels import FILTER_COLS, RowMath, TargetCheck, TileFilter, block_grad_, block_stats_
 
-GATHER_SHARE = 0.25  # filtering gathers the kept tiles' columns when at most this share of tiles is kept
 SCRATCH_ALIGN = 64  # elements: a block's logits in grad_input's buffer start 128-byte aligned (16-bit)
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
-    """How one call is blocked: `strategy`, rows and columns per block, dW accumulation dtype,
-    the gradient filter's threshold (None: no filtering), and grad_input_scratch: elements of
-    a logits scratch after grad_input (0: none; blocks of whole rows whose size then varies,
-    `HeadBlocks.row_blocks`; block_rows serves loops without grad_input)."""
+    """How one call is blocked: the caller's `strategy`; `layout` "rows" (blocks of whole
+    rows, whose gradients can be formed in the forward pass) or "tiles" (blocks of rows and
+    vocabulary columns, recomputed in the backward pass); rows and columns per block; the
+    grad_weight accumulation dtype; the gradient filter's threshold (None: no filtering);
+    grad_input_scratch: elements of a logits scratch after grad_input (0: none; blocks of
+    whole rows whose size then varies, `HeadBlocks.row_blocks`; block_rows serves loops
+    without grad_input); the call's tuning."""
 
     strategy: str
+    layout: str
     block_rows: int
     block_cols: int
     accumulate_dtype: torch.dtype
     filter_eps: float | None = None
     grad_input_scratch: int = 0
+    tuning: Tuning = DEFAULT
 
 
-def plan_blocks(strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, accumulate_in_input_dtype: bool,
-                filter_eps: float | None = None, gathered_rows: bool = False, n_all: int | None = None,
-                forward_only: bool = False) -> BlockPlan:
+def plan_blocks(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype,
+                accumulate_in_input_dtype: bool, filter_eps: float | None = None, gathered_rows: bool = False,
+                n_all: int | None = None, forward_only: bool = False) -> BlockPlan:
     """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
     n_rows: the rows computed, of n_all (default n_rows); gathered_rows: they are gathered
     from x (HeadBlocks.active); forward_only: the call takes no gradient ("speed" then
     takes larger blocks: interop.blocking.forward_only_rows). "memory" in blocks of whole
-    rows (interop.blocking.whole_row_memory_scratch) runs as "speed" with grad_weight
-    accumulated in the input dtype and the logits in a scratch after grad_input."""
+    rows (interop.blocking.whole_row_memory_scratch) accumulates grad_weight in the input
+    dtype and keeps the logits in a scratch after grad_input."""
     itemsize = dtype.itemsize
     n_all = n_rows if n_all is None else n_all
-    scratch = whole_row_memory_scratch(n_all, n_rows, hidden, vocab, itemsize, gathered_rows) if strategy == "memory" else None
+    scratch = whole_row_memory_scratch(t, n_all, n_rows, hidden, vocab, itemsize, gathered_rows) if strategy == "memory" else None
     if scratch:
-        return BlockPlan("speed", min(n_rows, scratch // vocab), vocab, dtype, filter_eps, grad_input_scratch=scratch)
-    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
+        return BlockPlan("memory", "rows", min(n_rows, scratch // vocab), vocab, dtype, filter_eps, scratch, t)
+    rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
                              narrow_accumulator=accumulate_in_input_dtype)
     if strategy == "speed" and forward_only:
-        rows = forward_only_rows(n_rows, hidden, vocab, itemsize)
+        rows = forward_only_rows(t, n_rows, hidden, vocab, itemsize)
     if strategy == "speed":
-        return BlockPlan("speed", rows, cols, dtype if accumulate_in_input_dtype else torch.float32, filter_eps)
-    return BlockPlan("memory", rows, cols, dtype, filter_eps)
+        return BlockPlan("speed", "rows", rows, cols, dtype if accumulate_in_input_dtype else torch.float32, filter_eps,
+                         tuning=t)
+    return BlockPlan("memory", "tiles", rows, cols, dtype, filter_eps, tuning=t)
 
 
 def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
@@ -116,10 +121,10 @@ class WeightGrad:
     gets parts of blocks is zeroed first, one that gets none at the end. `slabs` holds the
     accumulator's tensors until `result` spends them."""
 
-    def __init__(self, W, layout: str, dtype: torch.dtype):
+    def __init__(self, W, layout: str, dtype: torch.dtype, t: Tuning):
         vocab, hidden = (W.shape[0], W.shape[1]) if layout == "VD" else (W.shape[1], W.shape[0])
         self.layout, self.dtype = layout, W.dtype
-        self.starts = weight_grad_slabs(vocab, hidden * dtype.itemsize, dtype != W.dtype)
+        self.starts = weight_grad_slabs(t, vocab, hidden * dtype.itemsize, dtype != W.dtype)
         shape = (lambda n: (n, W.shape[1])) if layout == "VD" else (lambda n: (W.shape[0], n))
         self.slabs = [torch.empty(shape(b - a), dtype=dtype, device=W.device) for a, b in zip(self.starts, self.starts[1:])]
         self.written = [False] * len(self.slabs)
@@ -212,7 +217,7 @@ class HeadBlocks:
             return
         r0 = 0
         while r0 < self.n_rows:
-            r1 = r0 + scratch_block_rows(self.n_rows - r0, self.x.shape[1], self.vocab, self.plan.grad_input_scratch)
+            r1 = r0 + scratch_block_rows(self.plan.tuning, self.n_rows - r0, self.x.shape[1], self.vocab, self.plan.grad_input_scratch)
             yield slice(r0, r1)
             r0 = r1
 
@@ -342,7 +347,7 @@ class HeadBlocks:
         # One row block: each element of dW is one product, accumulated in fp32 by cuBLAS
         # and written once in W's dtype, as exact as a wider accumulator and without it.
         one_product = self.n_rows <= self.plan.block_rows and self.logits_dtype == W.dtype and self.plan.filter_eps is None
-        dW = WeightGrad(W, self.layout, W.dtype if one_product else self.plan.accumulate_dtype) if need_W else None
+        dW = WeightGrad(W, self.layout, W.dtype if one_product else self.plan.accumulate_dtype, self.plan.tuning) if need_W else None
         db = torch.zeros(W.shape[0] if self.layout == "VD" else W.shape[1], dtype=wide, device=W.device) if need_b else None
         return dx, dx_acc, dW, db
 
@@ -370,7 +375,7 @@ class _Blocks(HeadBlocks):
         target terms f.target, sparse. Asks the GPU once which tiles are kept."""
         vocab = self.vocab
         kept = f.tiles.nonzero().squeeze(1).tolist()
-        if len(kept) > GATHER_SHARE * f.tiles.shape[0]:
+        if len(kept) > self.plan.tuning.gather_share * f.tiles.shape[0]:
             if len(kept) < f.tiles.shape[0]:
                 dz.mul_(f.tiles.repeat_interleave(FILTER_COLS)[:vocab].to(dz.dtype))
             cols, W_A = None, self.head_cols(0, vocab)

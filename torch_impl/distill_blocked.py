@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from interop.blocking import block_shape
+from interop.blocking import block_shape, chunk_rows
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
-from interop.options import default_chunk_rows
+from interop.tuning import Tuning
 from torch_impl.blocked import BlockPlan, HeadBlocks, _final
 from torch_impl.distill_ops import KernelOps, TorchOps
 from torch_impl.function import first_order_only
@@ -29,20 +29,20 @@ from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, r
 from torch_impl.rows import compute_dtype
 
 
-def plan_distillation(strategy: str, n_rows: int, hidden: int, vocab: int, dtype, accumulate_in_input_dtype: bool,
-                      buffers: int = 1, gathered_rows: bool = False):
+def plan_distillation(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
+                      accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False):
     """(BlockPlan, ops) of "speed" / "memory" (Triton kernels) or "chunked" (PyTorch ops
     on row chunks of whole rows); n_rows: the rows computed; buffers: 2 when a dense
     teacher's logits are blocked too; gathered_rows: the rows are gathered (HeadBlocks.active)."""
     wide = compute_dtype(dtype)
     if strategy == "chunked":
-        rows = default_chunk_rows(n_rows, hidden, vocab)
-        return BlockPlan("chunked", rows, vocab, dtype if accumulate_in_input_dtype else wide), TorchOps
+        rows = chunk_rows(t, n_rows, hidden, vocab)
+        return BlockPlan("chunked", "rows", rows, vocab, dtype if accumulate_in_input_dtype else wide, tuning=t), TorchOps
     itemsize = dtype.itemsize
-    rows, cols = block_shape(strategy, n_rows, hidden, vocab, itemsize, buffers, gathered_rows=gathered_rows,
+    rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, buffers, gathered_rows=gathered_rows,
                              narrow_accumulator=accumulate_in_input_dtype)
     acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
-    return BlockPlan(strategy, rows, cols, acc), KernelOps
+    return BlockPlan(strategy, "rows" if strategy == "speed" else "tiles", rows, cols, acc, tuning=t), KernelOps
 
 
 def _head(x, W, b, layout, plan, ops, vocab=None, active=None) -> HeadBlocks:

@@ -1,10 +1,12 @@
-"""The block steps of the distillation paths, twice: on the Triton kernels (`KernelOps`,
-CUDA or TRITON_INTERPRET=1) and in plain PyTorch (`TorchOps`, the fallback: fp32 logits,
-fp64 for fp64 inputs). `torch_impl.distill_blocked` drives either.
+"""The block steps of the distillation and vocabulary-split paths, twice: on the Triton
+kernels (`KernelOps`, CUDA or TRITON_INTERPRET=1) and in plain PyTorch (`TorchOps`, the
+fallback: fp32 logits, fp64 for fp64 inputs). `torch_impl.distill_blocked` and
+`torch_impl.vocab_parallel` drive either.
 
 Each step works on one logits block z [R, C] (columns v0..v0+C, no bias) and per-row fp32
-(or fp64) vectors; "stats" merge the block into running (m, l) of scale * s and s at the
-target; "grad" returns dz (the kernels write it over z).
+(or fp64) vectors; "stats" merge the block into running (m, l) of scale * s, s at the
+target and, given ws, the class-weighted sum of s; "grad" returns dz (the kernels write it
+over z), with the class-weighted term S cw_j when given S.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ class KernelOps:
     logits_dtype = None
 
     @staticmethod
-    def stats_(z, v0, b_V, y_R, m_R, l_R, sy_R, softcap, scale: float) -> None:
-        ws = torch.empty_like(m_R)
-        kernels.block_stats_(z, v0, b_V, None, y_R, m_R, l_R, sy_R, ws, softcap, False, scale)
+    def stats_(z, v0, b_V, y_R, m_R, l_R, sy_R, softcap, scale: float, cw_V=None, ws_R=None) -> None:
+        ws = torch.empty_like(m_R) if ws_R is None else ws_R
+        kernels.block_stats_(z, v0, b_V, cw_V, y_R, m_R, l_R, sy_R, ws, softcap, ws_R is not None, scale)
 
     @staticmethod
-    def grad(z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second):
-        kernels.block_grad_(z, z, v0, b_V, None, y_R, lse_R, p_R, ty_R, torch.zeros_like(p_R), softcap, scale, second)
+    def grad(z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second, cw_V=None, s_R=None):
+        s_R = torch.zeros_like(p_R) if s_R is None else s_R
+        kernels.block_grad_(z, z, v0, b_V, cw_V, y_R, lse_R, p_R, ty_R, s_R, softcap, scale, second)
         return z
 
     @staticmethod
@@ -62,8 +65,10 @@ class TorchOps:
     logits_dtype = "compute"
 
     @staticmethod
-    def stats_(z, v0, b_V, y_R, m_R, l_R, sy_R, softcap, scale: float) -> None:
+    def stats_(z, v0, b_V, y_R, m_R, l_R, sy_R, softcap, scale: float, cw_V=None, ws_R=None) -> None:
         s = _capped(z, v0, b_V, softcap)
+        if ws_R is not None:
+            ws_R += s.sum(1) if cw_V is None else s @ cw_V[v0 : v0 + z.shape[1]].to(s.dtype)
         u = s * scale
         m_new = torch.maximum(m_R, u.max(dim=1).values)
         l_R.mul_(torch.exp(m_R - m_new)).add_(torch.exp(u - m_new[:, None]).sum(1))
@@ -73,11 +78,13 @@ class TorchOps:
         sy_R.add_(torch.where(inside, s.gather(1, col.clamp(0, z.shape[1] - 1)[:, None])[:, 0], torch.zeros_like(sy_R)))
 
     @staticmethod
-    def grad(z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second):
+    def grad(z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second, cw_V=None, s_R=None):
         s = _capped(z, v0, b_V, softcap)
         dz = p_R[:, None] * torch.exp(s * scale - lse_R[:, None])
         if second is not None:
             dz += second[0][:, None] * torch.exp(s - second[1][:, None])
+        if s_R is not None:
+            dz -= s_R[:, None] * (1.0 if cw_V is None else cw_V[v0 : v0 + z.shape[1]].to(dz.dtype))
         col = y_R - v0
         inside = (col >= 0) & (col < z.shape[1])
         dz.scatter_add_(1, col.clamp(0, z.shape[1] - 1)[:, None], torch.where(inside, -ty_R, torch.zeros_like(ty_R))[:, None])

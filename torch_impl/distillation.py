@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from interop.blocking import skipping_pays
-from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_reduction,
+from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs,
                                   check_topk_inputs, teacher_id_out_of_range_message)
-from interop.options import check_strategy, target_out_of_range_message
-from torch_impl.arguments import check_tensors, dense
+from interop.options import check_reduction, check_strategy, check_tuning, target_out_of_range_message
+from interop.tuning import Tuning
+from torch_impl.arguments import check_tensors, dense, denominator
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation, plan_distillation
 from torch_impl.distill_rows import TopKTeacher, valid_rows
 from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute
@@ -24,20 +25,10 @@ def _shape(t):
     return None if t is None else tuple(t.shape)
 
 
-def _num_items(num_items_in_batch, dtype, device):
-    if num_items_in_batch is None:
-        return None
-    if isinstance(num_items_in_batch, torch.Tensor):
-        return num_items_in_batch.to(device=device, dtype=dtype)
-    if isinstance(num_items_in_batch, bool) or not float(num_items_in_batch) > 0:
-        raise ValueError(f"num_items_in_batch must be a number > 0 or a tensor, got {num_items_in_batch!r}")
-    return float(num_items_in_batch)
-
-
-def _valid_rows_only(strategy: str, valid_N, hidden: int, vocab: int):
+def _valid_rows_only(t: Tuning, strategy: str, valid_N, hidden: int, vocab: int):
     """The valid rows [A] (int64) when the kernels should compute only those
     (`torch_impl.functional.rows_to_compute`), else None."""
-    if strategy == "chunked" or not skipping_pays(valid_N.shape[0], hidden, vocab):
+    if strategy == "chunked" or not skipping_pays(t, valid_N.shape[0], hidden, vocab):
         return None
     return rows_to_compute(valid_N)
 
@@ -78,6 +69,7 @@ def linear_topk_distillation(
     weight_layout: str = "VD",
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
+    tuning: Tuning | None = None,
 ):
     """Distillation from a top-K sparse teacher, fused with the student's head.
 
@@ -95,7 +87,7 @@ def linear_topk_distillation(
         temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
         weight_hard, softcap: see interop.distillation.TopKDistillationOptions.
         reduction: "mean" (over valid rows, or over num_items_in_batch), "sum" or "none".
-        strategy, accumulate_in_input_dtype, weight_layout: as for linear_cross_entropy.
+        strategy, accumulate_in_input_dtype, weight_layout, tuning: as for linear_cross_entropy.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -107,6 +99,7 @@ def linear_topk_distillation(
     o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
                                 weight_hard, reduction, ignore_index, softcap)
     check_strategy(strategy)
+    tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
     shape = check_topk_inputs(
         input_shape=tuple(input.shape), input_dtype=_name(input), weight_shape=tuple(linear_weight.shape),
@@ -131,15 +124,15 @@ def linear_topk_distillation(
     logprobs = dense(teacher_logprobs.reshape(n, shape.k))
     linear_bias = dense(linear_bias)
     wide = compute_dtype(input.dtype)
-    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, V)
-    rows = _valid_rows_only(strategy, valid, shape.hidden, V)
+    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, V, tuning)
+    rows = _valid_rows_only(tuning, strategy, valid, shape.hidden, V)
     if rows is not None:  # the rows left out contribute nothing: the kernels compute only the others
         ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (ids, logprobs, y_kernel, valid))
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
-    plan, ops = plan_distillation(strategy, valid.shape[0], shape.hidden, V, input.dtype, accumulate_in_input_dtype,
+    plan, ops = plan_distillation(tuning, strategy, valid.shape[0], shape.hidden, V, input.dtype, accumulate_in_input_dtype,
                                   gathered_rows=rows is not None)
     loss = TopKDistillation.apply(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, o, weight_layout, plan, ops,
-                                  _num_items(num_items_in_batch, wide, dev), rows)
+                                  denominator(num_items_in_batch, wide, dev), rows)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 
 
@@ -162,6 +155,7 @@ def linear_distillation(
     weight_layout: str = "VD",
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
+    tuning: Tuning | None = None,
 ):
     """Distillation from a dense teacher, both heads fused: no N x V buffer of either.
 
@@ -175,7 +169,7 @@ def linear_distillation(
         divergence: "forward_kl" (default), "reverse_kl" or "jsd" (with beta in (0, 1)).
         temperature, temperature_squared: see interop.distillation.DenseDistillationOptions.
         reduction: "mean" (over valid rows, or over num_items_in_batch), "sum" or "none".
-        strategy, accumulate_in_input_dtype, weight_layout: as for linear_cross_entropy.
+        strategy, accumulate_in_input_dtype, weight_layout, tuning: as for linear_cross_entropy.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -185,6 +179,7 @@ def linear_distillation(
     input, linear_weight, teacher_input, teacher_weight = _autocast(input, linear_weight, teacher_input, teacher_weight)
     o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
     check_strategy(strategy)
+    tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
     shape = check_dense_inputs(
         input_shape=tuple(input.shape), input_dtype=_name(input), weight_shape=tuple(linear_weight.shape),
@@ -198,12 +193,12 @@ def linear_distillation(
     valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
     x_ND = input.reshape(n, shape.hidden)
     xt_ND = teacher_input.reshape(n, shape.teacher_hidden).detach()
-    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab)
-    rows = _valid_rows_only(strategy, valid, shape.hidden, vocab)
+    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab, tuning)
+    rows = _valid_rows_only(tuning, strategy, valid, shape.hidden, vocab)
     if rows is not None:
         valid = valid.index_select(0, rows)
-    plan, ops = plan_distillation(strategy, valid.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,
+    plan, ops = plan_distillation(tuning, strategy, valid.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,
                                   buffers=2, gathered_rows=rows is not None)
     loss = DenseDistillation.apply(x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid, o, weight_layout, vocab,
-                                   plan, ops, _num_items(num_items_in_batch, compute_dtype(input.dtype), dev), rows)
+                                   plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev), rows)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss

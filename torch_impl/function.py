@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torch_impl import blocked
-from torch_impl.ce_kernels import TargetCheck
+from torch_impl.kernels import TargetCheck
 from torch_impl.arguments import dense
 from torch_impl.kernels import scale_
 
@@ -51,7 +51,7 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
     `active` (int64 [A]: the rows not ignored) only those rows are computed and lse is [A].
 
     When the loss is reduced, no lse is returned and some input needs a gradient, the
-    "speed" plan computes the gradients in the forward pass and the first backward pass
+    plan in blocks of whole rows computes the gradients in the forward pass and the first backward pass
     scales them by the upstream gradient (in place) and hands them over; a later backward
     through the same graph (``retain_graph=True``) recomputes, as every backward pass of the
     other plans does: so the inputs are saved on every plan (x [N, D] stays alive until the
@@ -67,7 +67,7 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x_ND, W, b_V, cw_V, y_N, opts, weight_layout: str, plan: blocked.BlockPlan, return_lse: bool,
                 check: TargetCheck, active=None):
         need = ctx.needs_input_grad[:3]
-        in_forward = any(need) and plan.strategy == "speed" and opts.reduction != "none" and not return_lse
+        in_forward = any(need) and plan.layout == "rows" and opts.reduction != "none" and not return_lse
         loss, lse, dx, dW, db = blocked.forward(
             x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, need if in_forward else (False, False, False), check,
             active,

@@ -6,17 +6,19 @@ import os
 
 import torch
 
-from interop.blocking import skipping_pays, speed_extra_bytes
-from interop.options import CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy, default_chunk_rows, target_out_of_range_message
-from torch_impl.arguments import check_tensors, dense
+from interop.blocking import chunk_rows, skipping_pays, speed_extra_bytes
+from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
+                             target_out_of_range_message)
+from interop.tuning import Tuning
+from torch_impl.arguments import check_tensors, dense, denominator
 from torch_impl.chunked import ChunkedLinearCrossEntropy
 
 try:
-    from torch_impl import blocked
-    from torch_impl.ce_kernels import TargetCheck
+    from torch_impl import blocked, vocab_parallel as parallel
+    from torch_impl.kernels import TargetCheck
     from torch_impl.function import KernelLinearCrossEntropy
-except ImportError:  # no Triton: the chunked path serves every call
-    blocked = None
+except ImportError:  # no Triton (or no torch.distributed): the chunked path serves every call
+    blocked = parallel = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -39,6 +41,17 @@ def rows_to_compute(keep_N: torch.Tensor) -> torch.Tensor | None:
     return active if 0 < active.shape[0] < keep_N.shape[0] else None
 
 
+def _vocab_slice(group, linear_weight: torch.Tensor, weight_layout: str) -> tuple[int, int]:
+    """(this rank's first class, V of the whole head) of a head split over `group`."""
+    if parallel is None:
+        raise RuntimeError("vocab_parallel needs torch.distributed and Triton's package, which this install lacks")
+    if not isinstance(group, torch.distributed.ProcessGroup):
+        raise TypeError(f"vocab_parallel must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    if linear_weight.ndim != 2 or weight_layout not in ("VD", "DV"):
+        return 0, None  # check_inputs names the problem
+    return parallel.vocab_slice(group, linear_weight.shape[0 if weight_layout == "VD" else 1], linear_weight.device)
+
+
 def kernels_can_run(x: torch.Tensor) -> bool:
     """Triton serves CUDA tensors, and CPU tensors under TRITON_INTERPRET=1; not fp64."""
     if blocked is None or x.dtype == torch.float64:
@@ -46,7 +59,7 @@ def kernels_can_run(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int) -> str:
+def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int, t: Tuning) -> str:
     """Resolve "auto" and route to "chunked" where the kernels can't run."""
     if strategy == "chunked" or not kernels_can_run(x):
         return "chunked"
@@ -55,7 +68,7 @@ def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vo
     if not x.is_cuda:
         return "chunked"
     free, _ = torch.cuda.mem_get_info(x.device)
-    extra = speed_extra_bytes(n_rows, hidden, vocab, x.element_size())
+    extra = speed_extra_bytes(t, n_rows, hidden, vocab, x.element_size())
     return "speed" if extra <= 0.25 * free else "memory"
 
 
@@ -77,6 +90,9 @@ def linear_cross_entropy(
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
     filter_eps: float | None = None,
+    tuning: Tuning | None = None,
+    vocab_parallel=None,
+    num_items_in_batch=None,
 ):
     """Cross-entropy of ``input @ linear_weight.T + linear_bias`` without the N x V logits.
 
@@ -108,12 +124,25 @@ def linear_cross_entropy(
             (for plain cross-entropy: p_ij < filter_eps) and skip its matrix products;
             the targets' terms stay exact. 2**-12 is a common choice for bf16. Blocks of
             partial rows ("memory" at a large V) and "chunked" compute every entry.
+        tuning: the block planner's numbers (interop.tuning.Tuning); None for the defaults,
+            measured on H100/H200 GPUs.
+        vocab_parallel: a process group over which the head is split by vocabulary: this
+            rank's linear_weight (and linear_bias) hold a contiguous slice of the classes,
+            the ranks' slices in rank order (uneven allowed); input, target and the class
+            weights (all V classes) are the same on every rank (`torch_impl.vocab_parallel`).
+            The loss and lse are global; grad_weight is this rank's slice, grad_input the
+            full gradient (all-reduced). A DTensor head sharded on its vocabulary dimension
+            with a replicated DTensor input is split the same way without this argument.
+        num_items_in_batch: with reduction="mean", the denominator in place of the valid
+            rows' summed class weight (a number > 0 or a tensor): the global number of
+            valid tokens when the rows of a batch are split across ranks or micro-batches,
+            as Hugging Face's Trainer passes it.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
         with ``return_lse``, the tuple (loss, lse [...]).
 
-    On the kernel path, a large call (N * D * V >= interop.blocking.SKIP_IGNORED_MIN_WORK) without
+    On the kernel path, a large call (N * D * V >= tuning.skip_ignored_min_work) without
     ``return_lse`` computes only the rows whose target is not ``ignore_index`` (their
     logits, products and gradients; the others' grad_input is 0): finding them makes the
     host wait for the GPU once. A bad target raises ValueError in the same call; the host
@@ -122,14 +151,22 @@ def linear_cross_entropy(
     Inside a ``torch.compile``d model the call runs as one opaque step (a graph break):
     the model compiles around it, and bad targets still raise.
     """
+    if vocab_parallel is None and parallel is not None:
+        local = parallel.local_operands(linear_weight, input, linear_bias, weight_layout)
+        if local is not None:
+            input, linear_weight, linear_bias, vocab_parallel = local
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight))
     if torch.is_autocast_enabled(input.device.type):  # as F.linear would: cast to the autocast dtype
         dtype = torch.get_autocast_dtype(input.device.type)
         input, linear_weight = input.to(dtype), linear_weight.to(dtype)
         linear_bias = None if linear_bias is None else linear_bias.to(dtype)
-    opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
+    check_reduction(reduction, num_items_in_batch)
+    opts = CrossEntropyOptions("sum" if num_items_in_batch is not None else reduction, ignore_index, label_smoothing,
+                               z_loss, softcap)
     check_strategy(strategy)
     filter_eps = check_filter_eps(filter_eps)
+    tuning = check_tuning(tuning)
+    first, classes = (0, None) if vocab_parallel is None else _vocab_slice(vocab_parallel, linear_weight, weight_layout)
     shape = check_inputs(
         input_shape=tuple(input.shape),
         input_dtype=dtype_name(input.dtype),
@@ -142,16 +179,26 @@ def linear_cross_entropy(
         class_weight_shape=None if weight is None else tuple(weight.shape),
         class_weight_dtype=None if weight is None else dtype_name(weight.dtype),
         weight_layout=weight_layout,
+        classes=classes,
     )
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     y_N = dense(target.reshape(shape.n_rows))
     linear_bias, weight = dense(linear_bias), dense(weight)
-    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab)
-    if strategy == "chunked":
+    local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
+    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, local_vocab, tuning)
+    if vocab_parallel is not None:
+        _check_target_range(y_N, shape.vocab, opts.ignore_index)
+        plan, ops = parallel.plan(tuning, strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
+                                  accumulate_in_input_dtype)
+        loss, lse_N = parallel.VocabParallelLinearCrossEntropy.apply(
+            x_ND, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts, weight_layout, plan, ops,
+            vocab_parallel, first, shape.vocab,
+        )
+    elif strategy == "chunked":
         _check_target_range(y_N, shape.vocab, opts.ignore_index)
         loss, lse_N = ChunkedLinearCrossEntropy.apply(
             x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout,
-            default_chunk_rows(shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype,
+            chunk_rows(tuning, shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype,
         )
     else:
         # The kernels read out-of-range targets safely (NaN rows), so the work is queued before
@@ -159,11 +206,11 @@ def linear_cross_entropy(
         # product, and the host waits for the check only, not for the call's work.
         y_N = y_N.to(torch.int64)
         check = TargetCheck(y_N, weight, opts.ignore_index, shape.vocab)
-        skip = not return_lse and skipping_pays(shape.n_rows, shape.hidden, shape.vocab)
+        skip = not return_lse and skipping_pays(tuning, shape.n_rows, shape.hidden, shape.vocab)
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_ND, linear_weight, linear_bias))
-        plan = blocked.plan_blocks(strategy, n_active, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
+        plan = blocked.plan_blocks(tuning, strategy, n_active, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
                                    filter_eps, gathered_rows=active is not None, n_all=shape.n_rows,
                                    forward_only=not needs_grad)
         loss, lse_N = KernelLinearCrossEntropy.apply(
@@ -173,6 +220,8 @@ def linear_cross_entropy(
             _check_target_range(y_N, shape.vocab, opts.ignore_index)
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)
+    if num_items_in_batch is not None:
+        loss = loss / denominator(num_items_in_batch, loss.dtype, loss.device)
     if return_lse:
         return loss, lse_N.reshape(shape.lead_shape)
     return loss

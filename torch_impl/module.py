@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from interop.options import CrossEntropyOptions, check_filter_eps, check_strategy
+from interop.options import CrossEntropyOptions, check_filter_eps, check_strategy, check_tuning
+from interop.tuning import Tuning
 from torch_impl.functional import linear_cross_entropy
 
 
@@ -13,8 +14,10 @@ class LinearCrossEntropyLoss(nn.Module):
     """Holds the options (and class weights) like ``nn.CrossEntropyLoss``: every keyword of
     `torch_impl.linear_cross_entropy`.
 
-    ``forward(input [..., D], linear_weight [V, D] or [D, V], target [...], linear_bias=None)``
-    returns what `torch_impl.linear_cross_entropy` returns with these options.
+    ``forward(input [..., D], linear_weight [V, D] or [D, V], target [...], linear_bias=None,
+    num_items_in_batch=None)`` returns what `torch_impl.linear_cross_entropy` returns with
+    these options (num_items_in_batch, which changes with every batch, is an argument of the
+    call).
     """
 
     def __init__(
@@ -31,6 +34,8 @@ class LinearCrossEntropyLoss(nn.Module):
         strategy: str = "auto",
         accumulate_in_input_dtype: bool = False,
         filter_eps: float | None = None,
+        tuning: Tuning | None = None,
+        vocab_parallel=None,
     ):
         super().__init__()
         self.options = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
@@ -40,14 +45,17 @@ class LinearCrossEntropyLoss(nn.Module):
         self.strategy = check_strategy(strategy)
         self.accumulate_in_input_dtype = accumulate_in_input_dtype
         self.filter_eps = check_filter_eps(filter_eps)
+        self.tuning = check_tuning(tuning)
+        self.vocab_parallel = vocab_parallel
 
-    def forward(self, input, linear_weight, target, linear_bias=None):
+    def forward(self, input, linear_weight, target, linear_bias=None, num_items_in_batch=None):
         o = self.options
         return linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=o.reduction, ignore_index=o.ignore_index, label_smoothing=o.label_smoothing,
             z_loss=o.z_loss, softcap=o.softcap, return_lse=self.return_lse, weight_layout=self.weight_layout,
             strategy=self.strategy, accumulate_in_input_dtype=self.accumulate_in_input_dtype, filter_eps=self.filter_eps,
+            tuning=self.tuning, vocab_parallel=self.vocab_parallel, num_items_in_batch=num_items_in_batch,
         )
 
     def extra_repr(self) -> str:

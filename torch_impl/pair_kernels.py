@@ -18,7 +18,8 @@ import math
 import triton
 import triton.language as tl
 
-BLOCK_C = 2048
+from interop.tuning import BLOCK_COLS
+
 DIVERGENCE_CODES = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 
 
@@ -105,7 +106,7 @@ def pair_sums_(s_RC, t_RC, lse_s_R, lse_t_R, a_R, b_R, divergence: str, temperat
         return
     _pair_sums_kernel[(R,)](
         s_RC, s_RC.stride(0), t_RC, t_RC.stride(0), lse_s_R, lse_t_R, a_R, b_R, C, *_constants(temperature, beta),
-        DIVERGENCE=DIVERGENCE_CODES[divergence], BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
+        DIVERGENCE=DIVERGENCE_CODES[divergence], BLOCK=min(BLOCK_COLS, triton.next_power_of_2(C)), num_warps=8,
     )
 
 
@@ -117,5 +118,5 @@ def pair_grad_(s_RC, t_RC, dz_RC, lse_s_R, lse_t_R, b_R, coef_R, divergence: str
     _pair_grad_kernel[(R,)](
         s_RC, s_RC.stride(0), t_RC, t_RC.stride(0), dz_RC, dz_RC.stride(0), lse_s_R, lse_t_R, b_R, coef_R, C,
         *_constants(temperature, beta), 1.0 - beta,
-        DIVERGENCE=DIVERGENCE_CODES[divergence], BLOCK=min(BLOCK_C, triton.next_power_of_2(C)), num_warps=8,
+        DIVERGENCE=DIVERGENCE_CODES[divergence], BLOCK=min(BLOCK_COLS, triton.next_power_of_2(C)), num_warps=8,
     )

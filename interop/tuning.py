@@ -1,0 +1,105 @@
+"""The measured numbers of both frameworks' kernel paths, in one place.
+
+`Tuning` holds what the block planner (`interop.blocking`) and the block loops read per
+call; a call takes another through its ``tuning`` argument, as JAX's Pallas attention takes
+its block sizes (tests pass tiny blocks to run many blocks on small problems). The module
+constants below it are the kernels' compile-time launch parameters. Each value says what it
+bounds and why it is what it is; the defaults were measured in bf16 on NVIDIA H100 and H200
+GPUs, and bench/NOTES.md holds the runs behind them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The planner's numbers (frozen and hashable: JAX keeps it in a custom_vjp's static
+    configuration). Fractions are shares of the floor, the gradients' bytes (N + V) D."""
+
+    # "speed": logits per block of whole rows (512 MiB in bf16). Larger blocks make fewer
+    # passes over an fp32 grad_weight accumulator; this size keeps the block below half of W
+    # at the Llama-3 and Gemma-2 heads.
+    speed_block_elements: int = 1 << 28
+    # "speed" with a 16-bit grad_weight accumulator: the block grows by this factor when the
+    # V D 2 bytes an fp32 accumulator would have held pay for the growth (fewer passes).
+    narrow_speed_block_growth: float = 1.5
+    # "memory" in rows x columns: one logits block plus the fp32 grad_input accumulator of
+    # its row block, as a share of the floor (the memory-first bound is a tenth).
+    memory_fraction: float = 0.08
+    # "memory" in whole rows: the logits scratch plus the first block's row copies, as a
+    # share of the floor; 0.095 went over the tenth by the allocator's rounding.
+    whole_row_fraction: float = 0.093
+    # ... taken when its first block holds at least this many rows: fewer lose to rows x
+    # columns (each row block reads all of W).
+    min_whole_rows: int = 384
+    # ... its blocks a multiple of this many rows (aligned products).
+    whole_row_align: int = 32
+    # JAX's fixed row blocks end in a block of at least this many rows: XLA splits a thin
+    # block's grad_input product over the vocabulary and pads a copy of W for it.
+    min_last_rows: int = 128
+    # Bytes of the cuBLAS workspace XLA keeps among a loop's temporaries.
+    xla_gemm_workspace: int = 32 << 20
+    # Bytes a row of N of XLA's per-row temporaries in JAX's whole-row or kernel blocks.
+    xla_row_bytes: int = 512
+    # JAX "memory" in rows x columns through XLA's products: vocabulary columns per block
+    # (narrower blocks ran slower at the Gemma-2 head).
+    xla_memory_cols: int = 2048
+    # ... all XLA holds beyond the gradients for those blocks, as a share of the floor: its
+    # memory was within 0.2 MiB of the planner's count over the shapes measured.
+    xla_blocks_fraction: float = 0.098
+    # ... bytes a row of N of XLA's per-row temporaries there.
+    xla_blocks_row_bytes: int = 16
+    # Rows or columns of a block, at the least.
+    min_block: int = 128
+    # "memory": rows and columns of a block at the least (smaller blocks leave the GPU idle).
+    min_memory_block: tuple[int, int] = (1024, 4096)
+    # An fp32 grad_weight of a 16-bit W: at most this many vocabulary slabs, each freed as it
+    # is converted (peak 2 W + W / slabs, not 3 W); more slabs cost more time than they save.
+    weight_grad_slabs: int = 2
+    # ... each at least this many bytes (a small head is one slab: one product).
+    weight_grad_slab_bytes: int = 256 << 20
+    # ... slab edges at multiples of this many classes: cuBLAS picks slow kernels for a dz
+    # column slice whose start is less aligned.
+    slab_align: int = 256
+    # N D V from which the kernel paths compute only the rows not ignored (PyTorch waits for
+    # the GPU once to find them, JAX sorts the rows): it pays once 6 N D V flops take
+    # milliseconds.
+    skip_ignored_min_work: int = 2**40
+    # JAX "speed" skipping ignored rows: the kept rows after its last full block run in
+    # blocks this many times smaller ("memory" keeps its blocks: each reads all of W).
+    speed_tail_split: int = 4
+    # PyTorch's gradient filtering gathers the kept tiles' columns when at most this share
+    # of a block's tiles is kept (else it masks the dropped tiles).
+    gather_share: float = 0.25
+    # "chunked": rows per chunk at the least, for matrix-product efficiency.
+    min_chunk_rows: int = 64
+    # JAX's fused row statistics split the vocabulary so that about this many programs run:
+    # 8 per SM of an H100, so the last, partial wave costs little.
+    fused_stats_programs: int = 1056
+
+
+DEFAULT = Tuning()
+
+# Kernel launch parameters (compile-time constants).
+
+# Classes per step of the Triton and Pallas row kernels' loop over a block of logits.
+BLOCK_COLS = 2048
+# PyTorch: rows per program of the per-row kernels (losses, coefficients, target check).
+ROW_KERNEL_ROWS = 1024
+# PyTorch: the whole-row statistics pass, columns per step and warps (a little faster than
+# BLOCK_COLS with 8 warps; the same with gradients).
+WHOLE_ROW_STATS_COLS, WHOLE_ROW_STATS_WARPS = 4096, 16
+# JAX: the row kernels' launch parameters.
+JAX_ROW_KERNEL_PARAMS = dict(num_warps=8, num_stages=1)
+# JAX fused row statistics: a tile of logits [rows, classes], bytes of the hidden dimension
+# per step of the product (64 16-bit values, 32 fp32), launch parameters.
+FUSED_STATS_TILE = (128, 256)
+FUSED_STATS_K_BYTES = 128
+FUSED_STATS_PARAMS = dict(num_warps=8, num_stages=4)
+# JAX's product kernels for small heads (`jax_impl.row_products`): (output tile rows,
+# output tile columns, K step in bytes of one operand row, warps, stages).
+LOGITS_TILE = (128, 256, 128, 8, 4)  # [rows, classes]
+GRAD_INPUT_TILE = (64, 256, 128, 4, 4)  # [rows, hidden]
+GRAD_WEIGHT_TILE = (256, 128, 64, 8, 4)  # [classes, hidden] ([hidden, classes] for "DV")

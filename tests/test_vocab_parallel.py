@@ -1,0 +1,294 @@
+"""A head split over the vocabulary across gloo ranks (`vocab_parallel=`, and a DTensor head
+sharded on its vocabulary dimension) against the float64 reference: the loss, lse, the full
+grad_input on every rank and each rank's slice of grad_weight and grad_bias, for uneven
+slices, every option, every strategy. Each world size is one spawn of processes running
+every case; the results come back as files."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.frameworks import CASES, SMALL, TorchAdapter, make_problem, reference, rel_err, seed_of, tolerance, upstream_grads
+
+# (world size, the ranks' class counts of a 53-class head, strategies, dtypes)
+SPLITS = {
+    2: ((30, 23), ("chunked", "speed", "memory"), ("float32", "bfloat16")),
+    4: ((20, 13, 11, 9), ("chunked", "memory"), ("float32",)),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cases(world: int):
+    sizes, strategies, dtypes = SPLITS[world]
+    for case in CASES:
+        for strategy in strategies:
+            for dtype in dtypes:
+                for layout in ("VD", "DV") if case == "mean" else ("VD",):
+                    yield case, strategy, dtype, layout
+
+
+def _slice(a, first: int, size: int, axis: int):
+    return None if a is None else np.take(a, range(first, first + size), axis=axis)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        group, sizes = dist.group.WORLD, SPLITS[world][0]
+        first = sum(sizes[:rank])
+        results = {}
+        for case, strategy, dtype, layout in _cases(world):
+            options, problem_kwargs, with_lse = CASES[case]
+            seed = seed_of("vocab-parallel", case, dtype, layout)
+            p = make_problem(seed, dtype=dtype, weight_layout=layout, **problem_kwargs)
+            g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+            local = p.__class__(**{**p.__dict__, "W": _slice(p.W, first, sizes[rank], 0 if layout == "VD" else 1),
+                                   "b": _slice(p.b, first, sizes[rank], 0)})
+            adapter = TorchAdapter(strategy, tuning=SMALL)
+            got = adapter.run(local, {**options, "vocab_parallel": group}, g_out, g_lse)
+            for key, value in got.items():
+                results[f"{case}|{strategy}|{dtype}|{layout}|{key}"] = value
+        if world == 2:
+            results.update(_dtensor_results(world))
+            results.update(_gathered_head_results(rank, world))
+        np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor_results(world: int) -> dict:
+    """A DTensor head Shard(0) over a 1-D CPU mesh and a replicated DTensor input: the loss,
+    the input's gradient (Replicate) and the head's full gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import torch_impl
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = make_problem(seed_of("dtensor"), dtype="float32", bias=True)
+    x = distribute_tensor(torch.tensor(p.x), mesh, [Replicate()]).requires_grad_()
+    W = distribute_tensor(torch.tensor(p.W), mesh, [Shard(0)]).requires_grad_()
+    b = distribute_tensor(torch.tensor(p.b), mesh, [Shard(0)]).requires_grad_()
+    loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, strategy="speed", tuning=SMALL)
+    loss.backward()
+    assert W.grad.placements == (Shard(0),) and x.grad.placements == (Replicate(),)
+    return {"dtensor|loss": loss.detach().double().numpy(), "dtensor|grad_x": x.grad.to_local().double().numpy(),
+            "dtensor|grad_W": W.grad.full_tensor().double().numpy(), "dtensor|grad_b": b.grad.full_tensor().double().numpy()}
+
+
+def _gathered_head_results(rank: int, world: int) -> dict:
+    """A DTensor head Shard(0) (as FSDP2 shards a parameter) with each rank's own rows as a
+    plain tensor: the head gathered, its gradient averaged over the ranks as FSDP2's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import torch_impl
+
+    mesh = init_device_mesh("cpu", (world,))
+    head = make_problem(seed_of("fsdp"), dtype="float32")
+    mine = make_problem(seed_of("fsdp", rank), dtype="float32")
+    W = distribute_tensor(torch.tensor(head.W), mesh, [Shard(0)]).requires_grad_()
+    x = torch.tensor(mine.x, requires_grad=True)
+    loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(mine.y), strategy="memory", tuning=SMALL)
+    loss.backward()
+    assert W.grad.placements == (Shard(0),)
+    return {"gathered|loss": loss.detach().double().numpy(), "gathered|grad_x": x.grad.double().numpy(),
+            "gathered|grad_W": W.grad.full_tensor().double().numpy()}
+
+
+@pytest.fixture(scope="module", params=sorted(SPLITS))
+def sharded_results(request, tmp_path_factory):
+    world = request.param
+    out_dir = tmp_path_factory.mktemp(f"vocab-parallel-{world}")
+    mp.spawn(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, join=True)
+    return world, [dict(np.load(out_dir / f"rank{r}.npz")) for r in range(world)]
+
+
+def test_vocab_parallel_matches_reference(sharded_results):
+    world, ranks = sharded_results
+    sizes = SPLITS[world][0]
+    for case, strategy, dtype, layout in _cases(world):
+        options, problem_kwargs, with_lse = CASES[case]
+        seed = seed_of("vocab-parallel", case, dtype, layout)
+        p = make_problem(seed, dtype=dtype, weight_layout=layout, **problem_kwargs)
+        g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+        ref = reference(p, options, g_out, g_lse)
+        tol = tolerance(dtype, p.logit_scale)
+        got = lambda r, key: ranks[r][f"{case}|{strategy}|{dtype}|{layout}|{key}"]
+        name = f"{world} ranks, {case}, {strategy}, {dtype}, {layout}"
+        for r in range(world):
+            assert rel_err(got(r, "loss"), ref.loss) <= tol, name
+            assert rel_err(got(r, "grad_x"), ref.grad_input) <= tol, name
+            if with_lse:
+                assert rel_err(got(r, "lse"), ref.lse) <= tol, name
+        axis = 0 if layout == "VD" else 1
+        assert [got(r, "grad_W").shape[axis] for r in range(world)] == list(sizes), name
+        grad_W = np.concatenate([got(r, "grad_W") for r in range(world)], axis=axis)
+        assert rel_err(grad_W, ref.grad_weight) <= tol, name
+        if p.b is not None:
+            grad_b = np.concatenate([got(r, "grad_b") for r in range(world)])
+            assert rel_err(grad_b, ref.grad_bias) <= tol, name
+
+
+def test_dtensor_head_sharded_on_the_vocabulary(sharded_results):
+    world, ranks = sharded_results
+    if world != 2:
+        pytest.skip("checked with 2 ranks")
+    p = make_problem(seed_of("dtensor"), dtype="float32", bias=True)
+    ref = reference(p, {}, 1.0, None)
+    for r in range(world):
+        assert rel_err(ranks[r]["dtensor|loss"], ref.loss) <= 1e-5
+        assert rel_err(ranks[r]["dtensor|grad_x"], ref.grad_input) <= 1e-5
+        assert rel_err(ranks[r]["dtensor|grad_W"], ref.grad_weight) <= 1e-5
+        assert rel_err(ranks[r]["dtensor|grad_b"], ref.grad_bias) <= 1e-5
+
+
+def test_dtensor_head_of_rows_split_across_ranks_is_gathered(sharded_results):
+    world, ranks = sharded_results
+    if world != 2:
+        pytest.skip("checked with 2 ranks")
+    head = make_problem(seed_of("fsdp"), dtype="float32")
+    refs = []
+    for r in range(world):
+        mine = make_problem(seed_of("fsdp", r), dtype="float32")
+        refs.append(reference(mine.__class__(**{**mine.__dict__, "W": head.W}), {}, 1.0, None))
+        assert rel_err(ranks[r]["gathered|loss"], refs[r].loss) <= 1e-5
+        assert rel_err(ranks[r]["gathered|grad_x"], refs[r].grad_input) <= 1e-5
+    mean_grad_W = sum(ref.grad_weight for ref in refs) / world
+    for r in range(world):
+        assert rel_err(ranks[r]["gathered|grad_W"], mean_grad_W) <= 1e-5
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_num_items_in_batch_divides_the_sum(framework):
+    """reduction="mean" with num_items_in_batch: the sum over valid rows divided by it (the
+    loss and every gradient), a number or a tensor; other reductions refuse it."""
+    from tests.frameworks import JaxAdapter
+
+    p = make_problem(seed_of("num-items"), dtype="float32", class_weights=True)
+    adapter = TorchAdapter("speed", tuning=SMALL) if framework == "torch" else JaxAdapter("speed", tuning=SMALL)
+    summed = adapter.run(p, {"reduction": "sum"}, 1.0, None)
+    for count in (37, np.float32(37.0)):
+        got = adapter.run(p, {"num_items_in_batch": count}, 1.0, None)
+        for key, value in summed.items():
+            assert rel_err(got[key], value / 37) <= 1e-6, key
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        adapter.run(p, {"reduction": "sum", "num_items_in_batch": 37}, 1.0, None)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        adapter.run(p, {"num_items_in_batch": 0}, 1.0, None)
+
+
+def test_vocab_parallel_refuses_what_is_not_a_process_group():
+    import torch_impl
+
+    x, W, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    with pytest.raises(TypeError, match="vocab_parallel"):
+        torch_impl.linear_cross_entropy(x, W, y, vocab_parallel="tp")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_vocab_parallel_group_of_one_runs_the_cuda_kernels(strategy):
+    """The vocabulary-split path with an NCCL group of one rank: the Triton kernels on the
+    GPU, against the float64 reference, every option, bf16 and fp32."""
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        for case, (options, problem_kwargs, with_lse) in CASES.items():
+            for dtype in ("bfloat16", "float32"):
+                seed = seed_of("vocab-parallel-cuda", case, dtype)
+                p = make_problem(seed, dtype=dtype, **problem_kwargs)
+                g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+                got = TorchAdapter(strategy, device="cuda", tuning=SMALL).run(
+                    p, {**options, "vocab_parallel": dist.group.WORLD}, g_out, g_lse)
+                ref = reference(p, options, g_out, g_lse)
+                tol = tolerance(dtype, p.logit_scale)
+                for key, want in (("loss", ref.loss), ("grad_x", ref.grad_input), ("grad_W", ref.grad_weight),
+                                  ("grad_b", ref.grad_bias), ("lse", ref.lse)):
+                    if key in got:
+                        assert rel_err(got[key], want) <= tol, (case, dtype, key)
+    finally:
+        dist.destroy_process_group()
+
+
+def jax_cases():
+    """(key, problem, options, upstream gradients) of the JAX mesh test."""
+    for case, (options, problem_kwargs, with_lse) in CASES.items():
+        for strategy in ("speed", "memory"):
+            for layout in ("VD", "DV") if case == "mean" else ("VD",):
+                seed = seed_of("jax-vocab-parallel", case, layout)
+                p = make_problem(seed, dtype="float32", weight_layout=layout, vocab=52, **problem_kwargs)
+                yield f"{case}|{strategy}|{layout}", strategy, p, options, upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+
+
+JAX_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import jax_impl
+from tests.frameworks import SMALL
+from tests.test_vocab_parallel import jax_cases
+
+mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+out = {}
+for key, strategy, p, options, (g_out, g_lse) in jax_cases():
+    layout = p.weight_layout
+    w_spec = P("tp", None) if layout == "VD" else P(None, "tp")
+    lead = (None,) * (p.x.ndim - 1)
+    row = P(*lead)
+
+    def local(x, W, b, y, cw):
+        return jax_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=cw, weight_layout=layout,
+                                             strategy=strategy, tuning=SMALL, vocab_parallel="tp",
+                                             return_lse=True, **options)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, None), w_spec, None if p.b is None else P("tp"),
+                                                  row, None if p.cw is None else P()),
+                      out_specs=(row if options.get("reduction") == "none" else P(), row), check_vma=True)
+    args = [jnp.asarray(p.x), jnp.asarray(p.W), None if p.b is None else jnp.asarray(p.b),
+            jnp.asarray(p.y.astype(np.int32)), None if p.cw is None else jnp.asarray(p.cw)]
+    (loss, lse), vjp = jax.vjp(lambda x, W, b: f(x, W, b, args[3], args[4]), *args[:3])
+    gl = np.zeros(p.y.shape) if g_lse is None else g_lse
+    grads = vjp((jnp.asarray(g_out, jnp.float32), jnp.asarray(gl, jnp.float32)))
+    out[key + "|loss"], out[key + "|lse"] = np.asarray(loss, np.float64), np.asarray(lse, np.float64)
+    for name, g in zip(("grad_x", "grad_W", "grad_b"), grads):
+        if g is not None:
+            out[key + "|" + name] = np.asarray(g, np.float64)
+np.savez(sys.argv[1], **out)
+print("done")
+"""
+
+
+def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
+    """On 4 CPU devices, a (dp, tp) mesh: inside jax.shard_map (check_vma=True) with the head
+    split over "tp" (`vocab_parallel="tp"`), every option and both kernel strategies (and the
+    "DV" layout) give the float64 reference's loss, lse and gradients."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               LOGITLESS_PALLAS_INTERPRET="1", PYTHONPATH=repo)
+    path = tmp_path / "jax.npz"
+    done = subprocess.run([sys.executable, "-c", JAX_SCRIPT, str(path)], env=env, cwd=repo, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-4000:]
+    got = dict(np.load(path))
+    for key, _, p, options, (g_out, g_lse) in jax_cases():
+        ref = reference(p, options, g_out, g_lse)
+        for name, want in (("loss", ref.loss), ("lse", ref.lse), ("grad_x", ref.grad_input),
+                           ("grad_W", ref.grad_weight), ("grad_b", ref.grad_bias)):
+            if want is not None:
+                assert rel_err(got[f"{key}|{name}"], want) <= tolerance("float32"), (key, name)
