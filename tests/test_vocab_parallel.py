@@ -223,13 +223,13 @@ def test_vocab_parallel_group_of_one_runs_the_cuda_kernels(strategy):
         dist.destroy_process_group()
 
 
-def jax_cases():
-    """(key, problem, options, upstream gradients) of the JAX mesh test."""
+def jax_cases(dtype: str = "float32"):
+    """(key, strategy, problem, options, upstream gradients) of the JAX mesh tests."""
     for case, (options, problem_kwargs, with_lse) in CASES.items():
         for strategy in ("speed", "memory"):
             for layout in ("VD", "DV") if case == "mean" else ("VD",):
-                seed = seed_of("jax-vocab-parallel", case, layout)
-                p = make_problem(seed, dtype="float32", weight_layout=layout, vocab=52, **problem_kwargs)
+                seed = seed_of("jax-vocab-parallel", case, layout, dtype)
+                p = make_problem(seed, dtype=dtype, weight_layout=layout, vocab=52, **problem_kwargs)
                 yield f"{case}|{strategy}|{layout}", strategy, p, options, upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
 
 
@@ -292,3 +292,38 @@ def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
                            ("grad_W", ref.grad_weight), ("grad_b", ref.grad_bias)):
             if want is not None:
                 assert rel_err(got[f"{key}|{name}"], want) <= tolerance("float32"), (key, name)
+
+
+@pytest.mark.cuda
+def test_jax_vocab_parallel_on_a_one_device_mesh_runs_the_cuda_kernels():
+    """`vocab_parallel="tp"` inside jax.shard_map over a one-GPU mesh: the Pallas kernels on
+    the GPU, against the float64 reference (fp32 and bf16)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jax_impl
+
+    mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    for dtype in ("float32", "bfloat16"):
+        for key, strategy, p, options, (g_out, g_lse) in jax_cases(dtype):
+            lead = (None,) * (p.x.ndim - 1)
+            local = lambda x, W, b, y, cw: jax_impl.linear_cross_entropy(
+                x, W, y, linear_bias=b, weight=cw, weight_layout=p.weight_layout, strategy=strategy, tuning=SMALL,
+                vocab_parallel="tp", return_lse=True, **options)
+            w_spec = P("tp", None) if p.weight_layout == "VD" else P(None, "tp")
+            f = jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, None), w_spec, None if p.b is None else P("tp"),
+                                                          P(*lead), None if p.cw is None else P()),
+                              out_specs=(P(*lead) if options.get("reduction") == "none" else P(), P(*lead)))
+            arr = lambda a: None if a is None else jnp.asarray(a)
+            y, cw = jnp.asarray(p.y.astype(np.int32)), arr(p.cw)
+            (loss, lse), vjp = jax.vjp(lambda x, W, b: f(x, W, b, y, cw), arr(p.x), arr(p.W), arr(p.b))
+            grads = vjp((jnp.asarray(g_out, jnp.float32), jnp.zeros(p.y.shape, jnp.float32) if g_lse is None
+                         else jnp.asarray(g_lse, jnp.float32)))
+            ref = reference(p, options, g_out, g_lse)
+            tol = tolerance(dtype, p.logit_scale)
+            for name, value, want in (("loss", loss, ref.loss), ("lse", lse, ref.lse), ("grad_x", grads[0], ref.grad_input),
+                                      ("grad_W", grads[1], ref.grad_weight), ("grad_b", grads[2], ref.grad_bias)):
+                if want is not None:
+                    got = np.asarray(value.astype(jnp.float32), np.float64)
+                    assert rel_err(got, want) <= tol, (key, dtype, name)
