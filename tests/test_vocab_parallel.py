@@ -327,3 +327,21 @@ def test_jax_vocab_parallel_on_a_one_device_mesh_runs_the_cuda_kernels():
                 if want is not None:
                     got = np.asarray(value.astype(jnp.float32), np.float64)
                     assert rel_err(got, want) <= tol, (key, dtype, name)
+
+
+def test_distributed_benchmark_runs_on_two_gloo_ranks(tmp_path):
+    """`torchrun -m bench.distributed` (the multi-GPU benchmark's command) on 2 CPU ranks:
+    every method runs and gives the same loss as PyTorch's loss_parallel."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "dist.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench.distributed",
+                           "--shapes", "96x16x301", "--repeat", "1", "--json", str(out)],
+                          cwd=repo, env=dict(os.environ, PYTHONPATH=repo), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["method"] for r in rows] == ["ours-speed", "ours-memory", "loss-parallel"] and all("error" not in r for r in rows)
+    assert max(r["loss"] for r in rows) - min(r["loss"] for r in rows) <= 1e-5 * abs(rows[-1]["loss"])

@@ -1,0 +1,121 @@
+"""`torchrun --nproc-per-node P -m bench.distributed`: the cross-entropy of a head split over
+the vocabulary across P ranks, beside PyTorch's `loss_parallel` over materialised logits.
+
+Every rank holds the same N rows and V / P classes of the head (uneven when P does not
+divide V). Per shape and method: fwd+bwd ms (median, rank 0's clock after a barrier),
+each rank's peak memory beyond its inputs (GPUs), and the loss (the same for every method).
+`--weak` multiplies N by P (weak
+scaling: each rank's logits keep their size). NCCL on GPUs (keep NVLink multicast off:
+NCCL_NVLS_ENABLE=0), gloo on CPUs. Rank 0 writes the JSON (`--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from bench import measure
+
+METHODS = ("ours-speed", "ours-memory", "loss-parallel")
+
+
+def _grads(loss, x, W):
+    loss.backward()
+    return loss.detach(), x.grad, W.grad
+
+
+def _ours(strategy: str, group):
+    """fwd+bwd of this rank's slice through `vocab_parallel`: (loss, grad_x, grad_W)."""
+    import torch_impl
+
+    def step(x, W, y):
+        x, W = x.detach().requires_grad_(), W.detach().requires_grad_()
+        return _grads(torch_impl.linear_cross_entropy(x, W, y, strategy=strategy, vocab_parallel=group), x, W)
+
+    return step
+
+
+def _loss_parallel(mesh, vocab: int):
+    """fwd+bwd of PyTorch's tensor-parallel loss: this rank's logits [N, V / P] as a DTensor
+    sharded on the classes, cross-entropy and its backward under `loss_parallel()`."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def step(x, W, y):
+        x, W = x.detach().requires_grad_(), W.detach().requires_grad_()
+        with loss_parallel():
+            local = x @ W.T
+            logits = DTensor.from_local(local, mesh, [Shard(1)], shape=(x.shape[0], vocab), stride=(vocab, 1))
+            return _grads(F.cross_entropy(logits.float(), y, ignore_index=-100), x, W)
+
+    return step
+
+
+def run(shapes, methods, dtype, repeat: int, weak: bool) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world,))
+    group = mesh.get_group()
+    rows = []
+    for name in shapes:
+        n, d, v = measure.PRESETS[name] if name in measure.PRESETS else tuple(int(k) for k in name.split("x"))
+        n = n * world if weak else n
+        x, W_full, y = measure.make_inputs(n, d, v, dtype, device)
+        W = W_full.tensor_split(world)[rank].contiguous()
+        del W_full
+        for mname in methods:
+            step = _loss_parallel(mesh, v) if mname == "loss-parallel" else _ours(mname.removeprefix("ours-"), group)
+            row = {"shape": name, "N": n, "D": d, "V": v, "P": world, "method": mname}
+            try:
+                dist.barrier()
+                row["fwd_bwd_ms"] = measure.time_ms(lambda: step(x, W, y), device, repeat=repeat)
+                peak = measure.peak_extra_bytes(lambda: step(x, W, y), device) if device.type == "cuda" else None
+                row["loss"] = float(step(x, W, y)[0])
+                peaks = [None] * world
+                dist.all_gather_object(peaks, None if peak is None else peak / 2**20)
+                row["peak_extra_mib_per_rank"] = peaks
+            except Exception as e:  # e.g. out of memory: recorded, the run goes on
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node P -m bench.distributed",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=None, help="presets or NxDxV; default L,G on GPUs, 256x64x1000 on CPUs")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--weak", action="store_true", help="N times the number of ranks (weak scaling)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed runs (default 10 on GPUs, 2 on CPUs)")
+    parser.add_argument("--json", default=None, help="rank 0 writes the results here")
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    try:
+        dtype = torch.bfloat16 if gpu else torch.float32
+        shapes = (args.shapes or ("L,G" if gpu else "256x64x1000")).split(",")
+        rows = run(shapes, args.methods.split(","), dtype, args.repeat or (10 if gpu else 2), args.weak)
+        if dist.get_rank() == 0 and args.json:
+            env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "torch": torch.__version__, "ranks": dist.get_world_size(),
+                   "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": str(dtype).removeprefix("torch.")}
+            with open(args.json, "w") as f:
+                json.dump({"environment": env, "weak": args.weak, "results": rows}, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
