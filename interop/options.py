@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 from interop.tuning import DEFAULT as DEFAULT_TUNING, Tuning
 
@@ -148,6 +149,14 @@ def check_reduction(reduction: str, num_items_in_batch=None) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch replaces the denominator of reduction='mean'; got reduction={reduction!r}")
+
+
+def check_num_items(num_items_in_batch) -> None:
+    """A number given as num_items_in_batch (Python or NumPy) must be > 0; ValueError else.
+    A tensor or array (possibly traced) is taken as given."""
+    if isinstance(num_items_in_batch, (bool, numbers.Number)) and (
+            isinstance(num_items_in_batch, bool) or not num_items_in_batch > 0):
+        raise ValueError(f"num_items_in_batch must be a number > 0, a tensor or an array, got {num_items_in_batch!r}")
 
 
 def check_strategy(strategy: str) -> str:

@@ -300,11 +300,11 @@ def row_statistics(prob: Problem, x_ND, y_N):
     return row_loop(step, None, (x_ND, y_N), x_ND.shape[0], prob.cfg.block_rows)[1]
 
 
-def gradients(prob: Problem, x_ND, y_N, lse_N, coefs, keep=None):
+def gradients(prob: Problem, x_ND, y_N, lse_N, coefs, keep=None, dx_dtype=None):
     """(dx, dW, db) for the per-row coefficients coefs = (P, T, S) of dz
     (interop/SPEC.md) and lse [N], recomputing the logits block by block; y [N] int32 column
     indices (T's one-hot lands on column y, none for any other value); keep: the rows to
-    compute (`rows.row_loop`), or None for all."""
+    compute (`rows.row_loop`), or None for all; dx_dtype: grad_input's (x's unless given)."""
     cfg, b_V, W = prob.cfg, prob.b, prob.W
     opts = cfg.options
 
@@ -318,7 +318,7 @@ def gradients(prob: Problem, x_ND, y_N, lse_N, coefs, keep=None):
 
         dW, db = carry
         dW, db, dx_acc = prob.col_loop(body, (dW, db, jnp.zeros(x_R.shape, jnp.float32)))
-        return (dW, db), (dx_acc.astype(x_R.dtype),)
+        return (dW, db), (dx_acc.astype(dx_dtype or x_R.dtype),)
 
     per_row = (x_ND, y_N, lse_N) + tuple(coefs)
     acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else jnp.float32

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from interop.blocking import chunk_rows, speed_extra_bytes
-from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
+from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_num_items, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
 from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy
@@ -73,8 +73,7 @@ def denominator(num_items_in_batch, dtype):
     array in `dtype`; ValueError for a number <= 0."""
     if num_items_in_batch is None:
         return None
-    if isinstance(num_items_in_batch, (int, float)) and (isinstance(num_items_in_batch, bool) or not num_items_in_batch > 0):
-        raise ValueError(f"num_items_in_batch must be a number > 0 or an array, got {num_items_in_batch!r}")
+    check_num_items(num_items_in_batch)
     return jnp.asarray(num_items_in_batch, dtype)
 
 

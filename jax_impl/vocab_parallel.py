@@ -78,8 +78,10 @@ def _bwd(cfg, axis, res, cotangents):
     x_ND, W, b_V, cw_V, y_N, lse = res
     prob, y_local, rows, cw_sum, vocab = _problem(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     coefs = row_coefficients(g_loss, g_lse, lse, rows, cw_sum, cfg.options, vocab)
-    dx, dW, db = blocked.gradients(prob, x_ND, y_local, lse, coefs)
-    return jax.lax.psum(dx, axis), dW, db, None, None
+    # grad_input summed over the axis in fp32 and rounded once: one device's share can be much
+    # larger than the sum (the target's -W_y on one device, p W on the others)
+    dx, dW, db = blocked.gradients(prob, x_ND, y_local, lse, coefs, dx_dtype=jnp.float32)
+    return jax.lax.psum(dx, axis).astype(x_ND.dtype), dW, db, None, None
 
 
 vocab_parallel_cross_entropy.defvjp(_fwd, _bwd)

@@ -19,6 +19,16 @@ if not torch.cuda.is_available():
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cuda are skipped where no CUDA GPU is (the device tool runs them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(params=["default-blocks", "small-blocks"])
 def blocks(request):
     """The Tuning of the GPU tests' medium shapes: the defaults, and small blocks so that

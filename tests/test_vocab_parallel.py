@@ -64,6 +64,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         if world == 2:
             results.update(_dtensor_results(world))
             results.update(_gathered_head_results(rank, world))
+            results.update(_edge_results(rank, group))
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
     finally:
         dist.destroy_process_group()
@@ -82,8 +83,16 @@ def _dtensor_results(world: int) -> dict:
     x = distribute_tensor(torch.tensor(p.x), mesh, [Replicate()]).requires_grad_()
     W = distribute_tensor(torch.tensor(p.W), mesh, [Shard(0)]).requires_grad_()
     b = distribute_tensor(torch.tensor(p.b), mesh, [Shard(0)]).requires_grad_()
-    loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, strategy="speed", tuning=SMALL)
+    import torch_impl.vocab_parallel as vp
+
+    calls, apply = [], vp.VocabParallelLinearCrossEntropy.apply
+    vp.VocabParallelLinearCrossEntropy.apply = lambda *a: calls.append(1) or apply(*a)
+    try:
+        loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, strategy="speed", tuning=SMALL)
+    finally:
+        vp.VocabParallelLinearCrossEntropy.apply = apply
     loss.backward()
+    assert calls == [1], "the head was not split over the vocabulary"
     assert W.grad.placements == (Shard(0),) and x.grad.placements == (Replicate(),)
     return {"dtensor|loss": loss.detach().double().numpy(), "dtensor|grad_x": x.grad.to_local().double().numpy(),
             "dtensor|grad_W": W.grad.full_tensor().double().numpy(), "dtensor|grad_b": b.grad.full_tensor().double().numpy()}
@@ -107,6 +116,25 @@ def _gathered_head_results(rank: int, world: int) -> dict:
     assert W.grad.placements == (Shard(0),)
     return {"gathered|loss": loss.detach().double().numpy(), "gathered|grad_x": x.grad.double().numpy(),
             "gathered|grad_W": W.grad.full_tensor().double().numpy()}
+
+
+def _edge_results(rank: int, group) -> dict:
+    """A bad argument on one rank only raises on both (no rank left waiting in a
+    collective); a NaN in one rank's head makes every valid row's loss NaN on both ranks."""
+    import torch_impl
+
+    x, y = torch.randn(6, 4), torch.tensor([0, 3, 5, 9, -100, 2])
+    W = torch.randn(5, 4)
+    raised = "none"
+    try:
+        torch_impl.linear_cross_entropy(x, W, y, linear_bias=torch.zeros(5 if rank == 0 else 4), vocab_parallel=group)
+    except ValueError as e:
+        raised = str(e)
+    if rank == 1:
+        W[2, 1] = float("nan")
+    losses = torch_impl.linear_cross_entropy(x, W, y, reduction="none", vocab_parallel=group, strategy="speed",
+                                             tuning=SMALL)
+    return {"edge|raised": np.array(raised), "edge|nan_loss": losses.detach().double().numpy()}
 
 
 @pytest.fixture(scope="module", params=sorted(SPLITS))
@@ -154,6 +182,16 @@ def test_dtensor_head_sharded_on_the_vocabulary(sharded_results):
         assert rel_err(ranks[r]["dtensor|grad_x"], ref.grad_input) <= 1e-5
         assert rel_err(ranks[r]["dtensor|grad_W"], ref.grad_weight) <= 1e-5
         assert rel_err(ranks[r]["dtensor|grad_b"], ref.grad_bias) <= 1e-5
+
+
+def test_one_rank_bad_argument_and_nan_reach_every_rank(sharded_results):
+    world, ranks = sharded_results
+    if world != 2:
+        pytest.skip("checked with 2 ranks")
+    assert "linear_bias" in str(ranks[1]["edge|raised"]) and "rank(s) [1]" in str(ranks[0]["edge|raised"])
+    for r in range(world):
+        loss = ranks[r]["edge|nan_loss"]
+        assert np.isnan(loss[[0, 1, 2, 3, 5]]).all() and loss[4] == 0
 
 
 def test_dtensor_head_of_rows_split_across_ranks_is_gathered(sharded_results):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from interop.options import check_num_items
+
 
 def check_tensors(input: torch.Tensor, required: dict, optional: dict) -> None:
     """Refuse what the kernels must never see: TypeError for an argument that is not a tensor
@@ -50,6 +52,5 @@ def denominator(num_items_in_batch, dtype: torch.dtype, device) -> torch.Tensor 
         return None
     if isinstance(num_items_in_batch, torch.Tensor):
         return num_items_in_batch.to(device=device, dtype=dtype)
-    if isinstance(num_items_in_batch, bool) or not float(num_items_in_batch) > 0:
-        raise ValueError(f"num_items_in_batch must be a number > 0 or a tensor, got {num_items_in_batch!r}")
+    check_num_items(num_items_in_batch)
     return float(num_items_in_batch)

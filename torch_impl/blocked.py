@@ -445,7 +445,7 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
             blocks.rows.losses_(m[rs], l[rs], sy[rs], ws[rs], rs, lse[rs], loss[rs])
     loss = blocks.rows.reduce(blocks.all_rows(loss) if opts.reduction == "none" else loss)
     z = blocks = None  # the logits buffer goes before dW's conversion allocates its result
-    return loss, lse, dx, _final(dW, W), _final(db, b_V)
+    return loss, lse, dx, final_grad(dW, W), final_grad(db, b_V)
 
 
 def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True),
@@ -482,7 +482,7 @@ def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_lay
     if dx is not None:
         blocks.zero_skipped_dx_rows(dx)
     dz = blocks = dx_acc = None  # the logits buffer goes before dW's conversion allocates its result
-    return dx, _final(dW, W), _final(db, b_V)
+    return dx, final_grad(dW, W), final_grad(db, b_V)
 
 
 def kept_columns(kept_tiles: list[int], vocab: int, device) -> torch.Tensor:
@@ -494,7 +494,7 @@ def kept_columns(kept_tiles: list[int], vocab: int, device) -> torch.Tensor:
     return cols[: cols.shape[0] - max(0, last)]
 
 
-def _final(acc, like):
+def final_grad(acc, like):
     """An accumulated gradient (tensor or WeightGrad) in the dtype of `like`, or None."""
     if acc is None:
         return None

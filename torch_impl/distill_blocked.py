@@ -19,30 +19,12 @@ import math
 
 import torch
 
-from interop.blocking import block_shape, chunk_rows
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
-from interop.tuning import Tuning
-from torch_impl.blocked import BlockPlan, HeadBlocks, _final
-from torch_impl.distill_ops import KernelOps, TorchOps
+from torch_impl.blocked import HeadBlocks, final_grad
+from torch_impl.distill_ops import plan_steps
 from torch_impl.function import first_order_only
 from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
 from torch_impl.rows import compute_dtype
-
-
-def plan_distillation(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
-                      accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False):
-    """(BlockPlan, ops) of "speed" / "memory" (Triton kernels) or "chunked" (PyTorch ops
-    on row chunks of whole rows); n_rows: the rows computed; buffers: 2 when a dense
-    teacher's logits are blocked too; gathered_rows: the rows are gathered (HeadBlocks.active)."""
-    wide = compute_dtype(dtype)
-    if strategy == "chunked":
-        rows = chunk_rows(t, n_rows, hidden, vocab)
-        return BlockPlan("chunked", "rows", rows, vocab, dtype if accumulate_in_input_dtype else wide, tuning=t), TorchOps
-    itemsize = dtype.itemsize
-    rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, buffers, gathered_rows=gathered_rows,
-                             narrow_accumulator=accumulate_in_input_dtype)
-    acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
-    return BlockPlan(strategy, "rows" if strategy == "speed" else "tiles", rows, cols, acc, tuning=t), KernelOps
 
 
 def _head(x, W, b, layout, plan, ops, vocab=None, active=None) -> HeadBlocks:
@@ -104,7 +86,7 @@ def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistil
                 blocks.scatter_dx_rows(dx, rs, dx_R)
     total = reduce_rows(loss, valid_N, o.reduction, num_items)
     z = dz = blocks = None  # the logits buffer goes before dW's conversion allocates its result
-    return total, (lse_T, lse_1, s_ids, s_y), (dx, _final(dW, W), _final(db, b_V))
+    return total, (lse_T, lse_1, s_ids, s_y), (dx, final_grad(dW, W), final_grad(db, b_V))
 
 
 def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
@@ -126,7 +108,7 @@ def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, s
             blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
         _store_dx(blocks, dx, dx_acc, dx_out, rs)
     dz = blocks = dx_acc = None
-    return dx, _final(dW, W), _final(db, b_V)
+    return dx, final_grad(dW, W), final_grad(db, b_V)
 
 
 def _dx_out(blocks: HeadBlocks, dx, dx_acc, rs):
@@ -234,7 +216,7 @@ def dense_forward(x_ND, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layo
                 student.scatter_dx_rows(dx, rs, dx_R)
     total = reduce_rows(loss, valid_N, o.reduction, num_items)
     s = t = dz = student = teacher = None
-    return total, (lse_s, lse_t, kl_q), (dx, _final(dW, W))
+    return total, (lse_s, lse_t, kl_q), (dx, final_grad(dW, W))
 
 
 def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items, need=(True, True),
@@ -253,7 +235,7 @@ def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, voc
             student.add_grads(dz, rs, v0, cols, dx_out, dW, None, dx_accumulate=dx_acc is not None)
         _store_dx(student, dx, dx_acc, dx_out, rs)
     s = t = dz = student = teacher = dx_acc = None
-    return dx, _final(dW, W)
+    return dx, final_grad(dW, W)
 
 
 class DenseDistillation(torch.autograd.Function):

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from interop.blocking import block_shape, chunk_rows
+from interop.tuning import Tuning
 from torch_impl import kernels, pair_kernels
+from torch_impl.blocked import BlockPlan
+from torch_impl.rows import compute_dtype
 
 
 class KernelOps:
@@ -119,3 +123,20 @@ class TorchOps:
         else:
             g = (1 - o.beta) * lq.exp() * (lq - _log_mix(lq, lp, o.beta) - b_R[:, None])
         return coef_R[:, None] * g
+
+
+def plan_steps(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
+                      accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False):
+    """(BlockPlan, ops) of the paths driven by block steps (distillation, the vocabulary
+    split): "speed" / "memory" on the Triton kernels (`KernelOps`) or "chunked" (`TorchOps`
+    on row chunks of whole rows); n_rows: the rows computed; buffers: 2 when a dense
+    teacher's logits are blocked too; gathered_rows: the rows are gathered (HeadBlocks.active)."""
+    wide = compute_dtype(dtype)
+    if strategy == "chunked":
+        rows = chunk_rows(t, n_rows, hidden, vocab)
+        return BlockPlan("chunked", "rows", rows, vocab, dtype if accumulate_in_input_dtype else wide, tuning=t), TorchOps
+    itemsize = dtype.itemsize
+    rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, buffers, gathered_rows=gathered_rows,
+                             narrow_accumulator=accumulate_in_input_dtype)
+    acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
+    return BlockPlan(strategy, "rows" if strategy == "speed" else "tiles", rows, cols, acc, tuning=t), KernelOps

@@ -11,7 +11,8 @@ from interop.distillation import (DenseDistillationOptions, TopKDistillationOpti
 from interop.options import check_reduction, check_strategy, check_tuning, target_out_of_range_message
 from interop.tuning import Tuning
 from torch_impl.arguments import check_tensors, dense, denominator
-from torch_impl.distill_blocked import DenseDistillation, TopKDistillation, plan_distillation
+from torch_impl.distill_blocked import DenseDistillation, TopKDistillation
+from torch_impl.distill_ops import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
 from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute
 from torch_impl.rows import compute_dtype
@@ -129,7 +130,7 @@ def linear_topk_distillation(
     if rows is not None:  # the rows left out contribute nothing: the kernels compute only the others
         ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (ids, logprobs, y_kernel, valid))
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
-    plan, ops = plan_distillation(tuning, strategy, valid.shape[0], shape.hidden, V, input.dtype, accumulate_in_input_dtype,
+    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, V, input.dtype, accumulate_in_input_dtype,
                                   gathered_rows=rows is not None)
     loss = TopKDistillation.apply(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, o, weight_layout, plan, ops,
                                   denominator(num_items_in_batch, wide, dev), rows)
@@ -197,7 +198,7 @@ def linear_distillation(
     rows = _valid_rows_only(tuning, strategy, valid, shape.hidden, vocab)
     if rows is not None:
         valid = valid.index_select(0, rows)
-    plan, ops = plan_distillation(tuning, strategy, valid.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,
+    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,
                                   buffers=2, gathered_rows=rows is not None)
     loss = DenseDistillation.apply(x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid, o, weight_layout, vocab,
                                    plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev), rows)

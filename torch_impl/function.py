@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from torch_impl import blocked
-from torch_impl.kernels import TargetCheck
 from torch_impl.arguments import dense
-from torch_impl.kernels import scale_
+from torch_impl.kernels import TargetCheck, scale_
 
 
 SECOND_ORDER_MESSAGE = (

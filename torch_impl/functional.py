@@ -14,11 +14,15 @@ from torch_impl.arguments import check_tensors, dense, denominator
 from torch_impl.chunked import ChunkedLinearCrossEntropy
 
 try:
-    from torch_impl import blocked, vocab_parallel as parallel
+    from torch_impl import blocked
     from torch_impl.kernels import TargetCheck
     from torch_impl.function import KernelLinearCrossEntropy
-except ImportError:  # no Triton (or no torch.distributed): the chunked path serves every call
-    blocked = parallel = None
+except ImportError:  # no Triton: the chunked path serves every call
+    blocked = None
+try:
+    from torch_impl import vocab_parallel as parallel
+except ImportError:  # no Triton or no torch.distributed: no head split over ranks
+    parallel = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -41,15 +45,20 @@ def rows_to_compute(keep_N: torch.Tensor) -> torch.Tensor | None:
     return active if 0 < active.shape[0] < keep_N.shape[0] else None
 
 
-def _vocab_slice(group, linear_weight: torch.Tensor, weight_layout: str) -> tuple[int, int]:
-    """(this rank's first class, V of the whole head) of a head split over `group`."""
+def _vocab_slice(group, check_local, device) -> tuple[int, int]:
+    """(this rank's first class, V of the whole head) of a head split over `group`, after
+    every rank's own checks (`check_local`: the ProblemShape of this rank's arguments, or
+    their error), which every rank learns of (`torch_impl.vocab_parallel.vocab_slice`)."""
     if parallel is None:
         raise RuntimeError("vocab_parallel needs torch.distributed and Triton's package, which this install lacks")
     if not isinstance(group, torch.distributed.ProcessGroup):
         raise TypeError(f"vocab_parallel must be a torch.distributed ProcessGroup, got {type(group).__name__}")
-    if linear_weight.ndim != 2 or weight_layout not in ("VD", "DV"):
-        return 0, None  # check_inputs names the problem
-    return parallel.vocab_slice(group, linear_weight.shape[0 if weight_layout == "VD" else 1], linear_weight.device)
+    try:
+        local, problem = check_local(), None
+    except (ValueError, TypeError) as e:
+        local, problem = None, e
+    sizes = (0, 0, 0) if local is None else (local.vocab, local.hidden, local.n_rows)
+    return parallel.vocab_slice(group, *sizes, device, problem)
 
 
 def kernels_can_run(x: torch.Tensor) -> bool:
@@ -166,8 +175,7 @@ def linear_cross_entropy(
     check_strategy(strategy)
     filter_eps = check_filter_eps(filter_eps)
     tuning = check_tuning(tuning)
-    first, classes = (0, None) if vocab_parallel is None else _vocab_slice(vocab_parallel, linear_weight, weight_layout)
-    shape = check_inputs(
+    checked = lambda cw, classes: check_inputs(
         input_shape=tuple(input.shape),
         input_dtype=dtype_name(input.dtype),
         weight_shape=tuple(linear_weight.shape),
@@ -176,11 +184,14 @@ def linear_cross_entropy(
         target_dtype=dtype_name(target.dtype),
         bias_shape=None if linear_bias is None else tuple(linear_bias.shape),
         bias_dtype=None if linear_bias is None else dtype_name(linear_bias.dtype),
-        class_weight_shape=None if weight is None else tuple(weight.shape),
-        class_weight_dtype=None if weight is None else dtype_name(weight.dtype),
+        class_weight_shape=None if cw is None else tuple(cw.shape),
+        class_weight_dtype=None if cw is None else dtype_name(cw.dtype),
         weight_layout=weight_layout,
         classes=classes,
     )
+    first, classes = (0, None) if vocab_parallel is None else _vocab_slice(vocab_parallel, lambda: checked(None, None),
+                                                                                   input.device)
+    shape = checked(weight, classes)
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     y_N = dense(target.reshape(shape.n_rows))
     linear_bias, weight = dense(linear_bias), dense(weight)

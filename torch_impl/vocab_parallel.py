@@ -6,10 +6,13 @@ uneven. Every rank has the same rows x and the same global targets. Per block of
 rank reduces its own columns to per-row statistics (running max m, sum of exponentials l,
 the target's logit where the target is one of its classes, the class-weighted sum of the
 logits for label smoothing); the ranks then combine them (one all-reduce MAX and one
-all-reduce SUM of a few floats per row: never logits) into the global lse, from which each
+all-reduce SUM of four floats per row: never logits) into the global lse, from which each
 rank forms dz on its own columns in the backward pass, recomputing its logits. Each rank
 gets its slice of grad_weight and grad_bias, and the full grad_input (one all-reduce SUM of
-[N, D] in the input's dtype). Class weights are the full [V] vector on every rank.
+[N, D] in fp32). Class weights are the full [V] vector on every rank. Every rank makes the
+same collectives in the same order whatever its arguments (`vocab_slice` checks them all
+first), so a bad argument on one rank raises on every rank instead of leaving the others
+waiting.
 
 The blocks and block steps are those of the other paths: `torch_impl.blocked.HeadBlocks`
 and `torch_impl.distill_ops` (Triton kernels where they run, PyTorch ops elsewhere). As
@@ -28,11 +31,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from interop.blocking import block_shape, chunk_rows
 from interop.options import CrossEntropyOptions
-from interop.tuning import Tuning
-from torch_impl.blocked import BlockPlan, HeadBlocks, _final
-from torch_impl.distill_ops import KernelOps, TorchOps
+from torch_impl.blocked import BlockPlan, HeadBlocks, final_grad
+from torch_impl.distill_ops import TorchOps, plan_steps as plan
 from torch_impl.function import first_order_only
 from torch_impl.rows import TargetRows, compute_dtype, reduce_loss, row_coefficients, row_loss
 
@@ -44,29 +45,28 @@ except ImportError:  # torch < 2.5: the same classes under their former module
 SECOND_ORDER_MESSAGE = "logitless: a head split over the vocabulary gives first-order gradients only"
 
 
-def vocab_slice(group, local_vocab: int, device) -> tuple[int, int]:
-    """(first class of this rank's slice, V of the whole head): the ranks' slice sizes
-    gathered over `group` (one all-gather of an int per rank)."""
-    size = torch.tensor([local_vocab], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(s) for s in sizes]
+def vocab_slice(group, local_vocab: int, hidden: int, n_rows: int, device, problem: Exception | None) -> tuple[int, int]:
+    """(first class of this rank's slice, V of the whole head), from the ranks' slice sizes
+    gathered over `group` with what every rank must share (D, N) and whether its own
+    arguments passed their checks (`problem`: None, or the error this rank raises). Every
+    rank raises when any rank's arguments are wrong, so none waits in a later collective."""
+    facts = torch.tensor([local_vocab, hidden, n_rows, problem is not None], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(facts) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, facts, group=group)
+    table = torch.stack(gathered).tolist()
+    if problem is not None:
+        raise problem
+    failed = [r for r, row in enumerate(table) if row[3]]
+    if failed:
+        raise ValueError(f"vocab_parallel: the arguments of rank(s) {failed} of the group failed their checks")
+    if any(row[1:3] != table[0][1:3] for row in table):
+        raise ValueError(f"vocab_parallel: every rank needs the same rows and hidden size; (D, N) by rank: "
+                         f"{[tuple(row[1:3]) for row in table]}")
+    if any(row[0] < 1 for row in table):
+        raise ValueError(f"vocab_parallel: every rank must hold at least one class; classes by rank: "
+                         f"{[row[0] for row in table]}")
     rank = dist.get_rank(group)
-    return sum(sizes[:rank]), sum(sizes)
-
-
-def plan(t: Tuning, strategy: str, n_rows: int, hidden: int, local_vocab: int, dtype: torch.dtype,
-         accumulate_in_input_dtype: bool):
-    """(BlockPlan, ops) over this rank's classes: "speed" in blocks of whole rows, "memory"
-    in rows x columns, "chunked" in row chunks of fp32 logits through PyTorch ops."""
-    wide = compute_dtype(dtype)
-    if strategy == "chunked":
-        rows = chunk_rows(t, n_rows, hidden, local_vocab)
-        acc = dtype if accumulate_in_input_dtype else wide
-        return BlockPlan("chunked", "rows", rows, local_vocab, acc, tuning=t), TorchOps
-    rows, cols = block_shape(t, strategy, n_rows, hidden, local_vocab, dtype.itemsize)
-    acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
-    return BlockPlan(strategy, "rows" if strategy == "speed" else "tiles", rows, cols, acc, tuning=t), KernelOps
+    return sum(row[0] for row in table[:rank]), sum(row[0] for row in table)
 
 
 def _local_targets(y_N, first: int, local_vocab: int):
@@ -76,18 +76,19 @@ def _local_targets(y_N, first: int, local_vocab: int):
     return torch.where(mine, y_N - first, torch.full_like(y_N, -1))
 
 
-def _global_lse(m, l, group):
-    """lse [N] of all ranks' classes from each rank's running (m, l); NaN where any rank
-    saw a NaN logit (a MAX all-reduce need not keep NaN)."""
+def _combine(m, l, sy, ws, group):
+    """(lse, s_y, ws) [N] over all ranks' classes from each rank's running (m, l), target
+    logit and class-weighted sum: one all-reduce MAX of m, one SUM of the rest. lse is NaN
+    where any rank saw a NaN logit (a MAX all-reduce need not keep NaN)."""
     m_all = m.clone()
     dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
     finite = torch.isfinite(m_all)
     shift = torch.where(finite, m_all, torch.zeros_like(m_all))
     scaled = torch.where(m == -torch.inf, torch.zeros_like(l), l * torch.exp(m - shift))
-    sums = torch.stack([scaled, torch.isnan(m).to(l.dtype)])
+    sums = torch.stack([scaled, torch.isnan(m).to(l.dtype), sy, ws])
     dist.all_reduce(sums, group=group)
     lse = torch.where(finite, shift + torch.log(sums[0]), m_all)
-    return torch.where(sums[1] > 0, torch.full_like(lse, torch.nan), lse)
+    return torch.where(sums[1] > 0, torch.full_like(lse, torch.nan), lse), sums[2], sums[3]
 
 
 class VocabParallelLinearCrossEntropy(torch.autograd.Function):
@@ -112,12 +113,10 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 ops.stats_(blocks.logits(rs, v0, cols), v0, b_V, y_local[rs], m[rs], l[rs], sy[rs], opts.softcap, 1.0,
                            cw_local, ws[rs] if need_ws else None)
         blocks = None
-        lse = _global_lse(m, l, group)
-        sums = torch.stack([sy, ws])
-        dist.all_reduce(sums, group=group)
+        lse, sy, ws = _combine(m, l, sy, ws, group)
         rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
         cw_sum = vocab if cw is None else cw.sum()
-        loss = reduce_loss(row_loss(lse, sums[0], sums[1], rows, opts, cw_sum, vocab), rows, opts.reduction)
+        loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
         ctx.save_for_backward(x_ND, W, b_V, cw, y_N, lse)
         ctx.args = (opts, weight_layout, plan, ops, group, first, vocab)
         ctx.set_materialize_grads(False)
@@ -144,20 +143,21 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
             grad_loss = torch.zeros((), dtype=wide, device=lse.device)
         cw_sum = vocab if cw is None else cw.sum()
         p, t, s = row_coefficients(grad_loss, grad_lse, lse, rows, cw_sum, opts, vocab)
-        need_x, need_W, need_b = ctx.needs_input_grad[:3]
-        dx, dx_acc, dW, db = blocks.gradient_buffers(True, need_W, need_b)
+        need_x, need_W, need_b = ctx.needs_input_grad[:3]  # the same on every rank
+        _, _, dW, db = blocks.gradient_buffers(False, need_W, need_b)
+        # grad_input summed over the ranks in fp32 and rounded once: one rank's share can be
+        # much larger than the sum (the target's -W_y on one rank, p W on the others)
+        dx = torch.zeros(x_ND.shape, dtype=wide, device=x_ND.device) if need_x else None
         for rs in blocks.row_blocks():
             for v0, cols in blocks.col_blocks():
                 dz = ops.grad(blocks.logits(rs, v0, cols), v0, b_V, y_local[rs], opts.softcap, 1.0, lse[rs], p[rs],
                               t[rs], None, cw_local, s[rs])
-                dx_out = dx[rs] if dx_acc is None else dx_acc[: rs.stop - rs.start]
-                blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
-            if dx_acc is not None:
-                dx[rs] = dx_acc[: rs.stop - rs.start]
-                dx_acc.zero_()
-        dz = blocks = dx_acc = None
-        dist.all_reduce(dx, group=group)  # every rank's classes' share of each row's gradient
-        return (dx if need_x else None, _final(dW, W), _final(db, b_V)) + none
+                blocks.add_grads(dz, rs, v0, cols, None if dx is None else dx[rs], dW, db, dx_accumulate=True)
+        dz = blocks = None
+        if dx is not None:
+            dist.all_reduce(dx, group=group)  # every rank's classes' share of each row's gradient
+            dx = dx.to(x_ND.dtype)
+        return (dx, final_grad(dW, W), final_grad(db, b_V)) + none
 
 
 def _gathered(t):
