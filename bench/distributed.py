@@ -74,16 +74,15 @@ def run(shapes, methods, dtype, repeat: int, weak: bool) -> list[dict]:
         for mname in methods:
             step = _loss_parallel(mesh, v) if mname == "loss-parallel" else _ours(mname.removeprefix("ours-"), group)
             row = {"shape": name, "N": n, "D": d, "V": v, "P": world, "method": mname}
-            try:
-                dist.barrier()
-                row["fwd_bwd_ms"] = measure.time_ms(lambda: step(x, W, y), device, repeat=repeat)
-                peak = measure.peak_extra_bytes(lambda: step(x, W, y), device) if device.type == "cuda" else None
-                row["loss"] = float(step(x, W, y)[0])
-                peaks = [None] * world
-                dist.all_gather_object(peaks, None if peak is None else peak / 2**20)
-                row["peak_extra_mib_per_rank"] = peaks
-            except Exception as e:  # e.g. out of memory: recorded, the run goes on
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            # An error on one rank (out of memory) would leave the others in a collective: it
+            # ends the run (torchrun stops every rank).
+            dist.barrier()
+            row["fwd_bwd_ms"] = measure.time_ms(lambda: step(x, W, y), device, repeat=repeat)
+            peak = measure.peak_extra_bytes(lambda: step(x, W, y), device) if device.type == "cuda" else None
+            row["loss"] = float(step(x, W, y)[0])
+            peaks = [None] * world
+            dist.all_gather_object(peaks, None if peak is None else peak / 2**20)
+            row["peak_extra_mib_per_rank"] = peaks
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)

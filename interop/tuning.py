@@ -29,7 +29,7 @@ class Tuning:
     # its row block, as a share of the floor (the memory-first bound is a tenth).
     memory_fraction: float = 0.08
     # "memory" in whole rows: the logits scratch plus the first block's row copies, as a
-    # share of the floor; 0.095 went over the tenth by the allocator's rounding.
+    # share of the floor; 0.095 would go over the tenth by the allocator's rounding.
     whole_row_fraction: float = 0.093
     # ... taken when its first block holds at least this many rows: fewer lose to rows x
     # columns (each row block reads all of W).

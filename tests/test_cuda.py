@@ -3,7 +3,7 @@
 Medium odd shapes against the numpy float64 reference; large shapes (up to the L preset,
 and one with N * V > 2**31) against the chunked path run in float64 on the GPU (itself
 checked against the numpy reference by the CPU tests) and against torch eager in the
-input dtype: the kernels' error must not exceed eager's by more than the issue allows.
+input dtype: the kernels' error must stay within 1.25x (speed) and 2x (memory) of eager's.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _err(a, ref):
 @pytest.mark.parametrize("shape", [(16384, 4096, 128256), (20000, 64, 128256)], ids=["L", "NV-over-2^31"])
 def test_large_shapes_against_fp64_and_eager(strategy, shape):
     """L preset and N*V > 2**31 in bf16: the loss and both gradients against the fp64 spec,
-    and no worse than torch eager bf16 beyond the issue's bounds (1.25x speed, 2x memory)."""
+    and no worse than torch eager bf16 beyond 1.25x (speed) and 2x (memory)."""
     import torch_impl
 
     n, d, v = shape
@@ -139,8 +139,8 @@ def test_forward_only_does_no_gradient_work(strategy):
 def test_speed_peak_is_two_weights_plus_one_block():
     """"speed" holds an fp32 grad_weight (2 W for a bf16 W) and one logits block; its
     conversion to bf16 goes slab by slab, so the fwd+bwd peak stays below
-    2 W + max(block, the largest slab in bf16) + dx + O(N) (it was 3 W + dx with one fp32
-    tensor)."""
+    2 W + max(block, the largest slab in bf16) + dx + O(N) (one fp32 tensor would need
+    3 W + dx)."""
     import torch_impl
     from interop.blocking import weight_grad_slabs
     from torch_impl.blocked import plan_blocks
@@ -216,7 +216,7 @@ def test_jax_kernel_blocks_match_reference(case, dtype):
 def test_jax_large_shape_against_fp64_and_xla(strategy, shape):
     """L, G and S presets in bf16 through jax_impl ("memory": L in XLA's whole rows, G in XLA's
     rows x columns, S through `row_products`' kernels), on the same buffers as the torch fp64
-    spec (DLPack); gradient errors within the issue's bounds of naive XLA's in bf16."""
+    spec (DLPack); gradient errors within 1.25x (speed) and 2x (memory) of naive XLA's in bf16."""
     import jax
     import jax.numpy as jnp
 
@@ -259,10 +259,10 @@ def _jax_fwd_bwd_bytes(loss, *shapes) -> int:
                          ids=["L", "G", "Qwen2-7B", "S", "GPT-2", "Llama-2-7B"])
 def test_jax_memory_strategy_within_its_bound(shape, return_lse):
     """JAX "memory" in bf16 with 10% of the targets ignored: what XLA's compiled fwd+bwd needs
-    beyond its arguments (temporaries + outputs) stays within the issue's memory-first bound,
-    1.10 x the gradients' bytes + 16 bytes a row, also when lse is returned (no rows
-    skipped: the row loop ends in a smaller block, which once needed 1.99 x at L, and at
-    Qwen2's shape 1.97 x when that block was thin), and for heads too small for XLA's GEMM
+    beyond its arguments (temporaries + outputs) stays within the memory-first bound, 1.10 x
+    the gradients' bytes + 16 bytes a row, also when lse is returned (no rows skipped: the
+    row loop ends in a smaller block, which XLA must not give a call of its own, nor a thin
+    block a padded copy of W), and for heads too small for XLA's GEMM
     workspace (S, GPT-2, Llama-2-7B: blocks through `row_products`' kernels)."""
     import jax.numpy as jnp
 

@@ -168,7 +168,7 @@ def test_block_rules_split_these_problems():
 
 def test_memory_takes_whole_rows_where_enough_fit():
     """interop.blocking.whole_row_memory_scratch (default tuning): L's "memory" in whole rows, its scratch plus
-    the first block's row copies within 9.3% of the floor (the issue's memory-first bound is
+    the first block's row copies within 9.3% of the floor (the memory-first bound is
     10% + 16 bytes a row), blocks growing into grad_input's unwritten rows (800 rows first,
     352 near the end); G's in rows and columns; a call whose rows all fit in one block."""
     import interop.blocking as blocking
@@ -608,8 +608,8 @@ def test_forward_only_speed_blocks_take_the_accumulators_bytes():
 
     t = DEFAULT
     assert t.min_block == 128
-    assert blocking.forward_only_rows(t, 7373, 2304, 256000, 2) == 3712  # G's rows not ignored: 2 blocks, was 8
-    assert blocking.forward_only_rows(t, 14746, 4096, 128256, 2) == 7424  # L's: 2 blocks, was 8
+    assert blocking.forward_only_rows(t, 7373, 2304, 256000, 2) == 3712  # G's rows not ignored: 2 blocks (of 1024 rows: 8)
+    assert blocking.forward_only_rows(t, 14746, 4096, 128256, 2) == 7424  # L's: 2 blocks (of 2048 rows: 8)
     assert blocking.forward_only_rows(t, 100, 4096, 128256, 2) == 100
     for n, d, v, itemsize in [(7373, 2304, 256000, 2), (50000, 4096, 128256, 2), (50000, 1024, 32000, 4)]:
         rows = blocking.forward_only_rows(t, n, d, v, itemsize)

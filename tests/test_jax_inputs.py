@@ -142,7 +142,7 @@ def test_16bit_gradients_as_accurate_as_naive(strategy, dtype, logit_scale):
     """bf16/fp16 gradients within 1.25 times the naive 16-bit computation's error ("memory":
     2 times) at logits up to |z| ~ 300: the forward statistics come from the logits the
     backward pass recomputes, so p sums to 1 there (fp32 statistics against 16-bit
-    recomputed logits were 21 times naive bf16's error at |z| ~ 300)."""
+    recomputed logits give 21 times naive bf16's error at |z| ~ 300)."""
     tuning = DEFAULT
     if strategy == "memory-kernel-products":  # blocks of rows and columns, products by row_products' kernels
         tuning = Tuning(min_block=4, min_memory_block=(4, 4), xla_memory_cols=8, xla_gemm_workspace=0, xla_row_bytes=0)

@@ -159,15 +159,11 @@ def _causal_lm_loss(
         lm_head.weight,
         shift_labels.reshape(-1).to(hidden_states.device),
         linear_bias=lm_head.bias,
-        reduction="mean" if num_items_in_batch is None else "sum",
         ignore_index=ignore_index,
         softcap=softcap,
+        num_items_in_batch=num_items_in_batch,
     )
-    if num_items_in_batch is None:
-        return loss
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+    return loss
 
 
 def _is_modules_to_save(head: nn.Module) -> bool:

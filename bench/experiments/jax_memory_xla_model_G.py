@@ -1,6 +1,6 @@
 """XLA's memory (temp + output) for JAX "memory" in rows x columns blocks, compile only, blocks
 forced: how it grows with the block's rows, N, D and V (interop.blocking._xla_memory_rows had
-counted 512 bytes per row of N, XLA_ROW_BYTES of whole rows at L; XLA holds ~13 here).
+counted 512 bytes per row of N, Tuning.xla_row_bytes of whole rows at L; XLA holds ~13 here).
 H100, 2026-11-25; results in git history at 9e19130, bench/NOTES.md has the entry. Writes
 $OUT/jax_memory_xla_model_G.json.
 
