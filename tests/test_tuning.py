@@ -58,7 +58,7 @@ def plans(monkeypatch):
 
         monkeypatch.setattr(module, name, spy)
 
-    for module, name in ((torch_impl.blocked, "plan_blocks"), (torch_impl.distillation, "plan_distillation"),
+    for module, name in ((torch_impl.blocked, "plan_blocks"), (torch_impl.distillation, "plan_steps"),
                          (jax_impl.blocked, "plan"), (jax_impl.distillation, "plan_distillation")):
         record(module, name)
     return seen
