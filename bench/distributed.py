@@ -112,6 +112,7 @@ def main(argv=None):
                    "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": str(dtype).removeprefix("torch.")}
             with open(args.json, "w") as f:
                 json.dump({"environment": env, "weak": args.weak, "results": rows}, f, indent=1)
+        dist.barrier()  # no rank tears its group down while another still uses it
     finally:
         dist.destroy_process_group()
 

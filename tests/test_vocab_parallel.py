@@ -66,6 +66,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results.update(_gathered_head_results(rank, world))
             results.update(_edge_results(rank, group))
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
+        dist.barrier()  # no rank tears its group down while another still uses it
     finally:
         dist.destroy_process_group()
 
@@ -120,7 +121,8 @@ def _gathered_head_results(rank: int, world: int) -> dict:
 
 def _edge_results(rank: int, group) -> dict:
     """A bad argument on one rank only raises on both (no rank left waiting in a
-    collective); a NaN in one rank's head makes every valid row's loss NaN on both ranks."""
+    collective); a NaN in one rank's head makes every valid row's loss NaN on both ranks;
+    transposed, offset and expanded views give what their contiguous copies give."""
     import torch_impl
 
     x, y = torch.randn(6, 4), torch.tensor([0, 3, 5, 9, -100, 2])
@@ -134,7 +136,14 @@ def _edge_results(rank: int, group) -> dict:
         W[2, 1] = float("nan")
     losses = torch_impl.linear_cross_entropy(x, W, y, reduction="none", vocab_parallel=group, strategy="speed",
                                              tuning=SMALL)
-    return {"edge|raised": np.array(raised), "edge|nan_loss": losses.detach().double().numpy()}
+    views = dict(input=torch.randn(4, 7)[:, 1:].T, linear_weight=torch.randn(4, 5).T,
+                 linear_bias=torch.randn(1).expand(5), target=torch.tensor([[0, 3, 5, 9, -100, 2]] * 2)[1])
+    strided = {}
+    for name, layouts in (("views", views), ("copies", {k: v.contiguous() for k, v in views.items()})):
+        for strategy in ("speed", "memory", "chunked"):
+            strided[f"edge|{name}|{strategy}"] = torch_impl.linear_cross_entropy(
+                **layouts, vocab_parallel=group, strategy=strategy, tuning=SMALL).double().numpy()
+    return {"edge|raised": np.array(raised), "edge|nan_loss": losses.detach().double().numpy(), **strided}
 
 
 @pytest.fixture(scope="module", params=sorted(SPLITS))
@@ -184,7 +193,7 @@ def test_dtensor_head_sharded_on_the_vocabulary(sharded_results):
         assert rel_err(ranks[r]["dtensor|grad_b"], ref.grad_bias) <= 1e-5
 
 
-def test_one_rank_bad_argument_and_nan_reach_every_rank(sharded_results):
+def test_one_rank_bad_argument_nan_and_views(sharded_results):
     world, ranks = sharded_results
     if world != 2:
         pytest.skip("checked with 2 ranks")
@@ -192,6 +201,8 @@ def test_one_rank_bad_argument_and_nan_reach_every_rank(sharded_results):
     for r in range(world):
         loss = ranks[r]["edge|nan_loss"]
         assert np.isnan(loss[[0, 1, 2, 3, 5]]).all() and loss[4] == 0
+        for strategy in ("speed", "memory", "chunked"):
+            assert rel_err(ranks[r][f"edge|views|{strategy}"], ranks[r][f"edge|copies|{strategy}"]) <= 1e-6
 
 
 def test_dtensor_head_of_rows_split_across_ranks_is_gathered(sharded_results):
