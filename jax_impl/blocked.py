@@ -1,6 +1,9 @@
-"""The GPU path for JAX: blocks of logits from XLA's matrix products, turned into
-statistics and dz by the Pallas kernels of `jax_impl.kernels`; the same strategies and
-blocks (interop.blocking) as `torch_impl.blocked`.
+"""Cross-entropy for JAX in blocks of logits from XLA's matrix products, turned into
+statistics and dz by the block steps of `jax_impl.steps`: the Pallas kernels for "speed" and
+"memory" (the strategies and blocks of interop.blocking, as `torch_impl.blocked`), jax.numpy
+for "chunked", the fallback wherever the kernels do not run (fp32 logits, fp64 for fp64
+inputs; blocks of whole rows, chunk_rows each, recomputed in the backward rule; plain XLA,
+so twice differentiable).
 
 - "speed": blocks of whole rows. When the loss is reduced and no lse is returned, the
   custom_vjp's forward rule (`jax_impl.function`, which runs only under differentiation)
@@ -28,17 +31,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import (block_shape, kernel_memory_block_shape, skipping_pays, whole_row_memory_block_rows,
-                              xla_memory_block_shape)
+from interop.blocking import (block_shape, chunk_rows, kernel_memory_block_shape, skipping_pays,
+                              whole_row_memory_block_rows, xla_memory_block_shape)
 from interop.options import CrossEntropyOptions
 from interop.tuning import Tuning
 from jax_impl.fused_stats import row_stats
-from jax_impl.kernels import block_grad, block_stats, v0_array
 from jax_impl import row_products
 from jax_impl.matmul import contract
-from jax_impl.rows import (TargetRows, kept_first, reduce_loss, row_coefficients, row_loop, row_loss,
+from jax_impl.rows import (TargetRows, compute_dtype, kept_first, reduce_loss, row_coefficients, row_loop, row_loss,
                            unfolded_count)
 from jax_impl.sharding import vary_like
+from jax_impl.steps import steps_of
 
 @dataclasses.dataclass(frozen=True)
 class BlockedConfig:
@@ -46,7 +49,7 @@ class BlockedConfig:
 
     options: CrossEntropyOptions
     weight_layout: str
-    strategy: str  # the caller's: "speed" or "memory"
+    strategy: str  # the caller's: "speed", "memory" or "chunked"
     layout: str  # "rows": blocks of whole rows (gradients can be formed in the forward pass); "tiles": rows x columns
     block_rows: int
     block_cols: int
@@ -65,7 +68,14 @@ class BlockedConfig:
 
     @property
     def grads_in_forward(self) -> bool:
-        return self.layout == "rows" and self.options.reduction != "none" and not self.return_lse
+        """Whole-row blocks form the gradients in the forward rule; "chunked" recomputes them,
+        holding no gradient between the rules (its role: the least memory, anywhere)."""
+        return (self.layout == "rows" and self.options.reduction != "none" and not self.return_lse
+                and self.strategy != "chunked")
+
+    @property
+    def ops(self):
+        return steps_of(self.strategy, self.interpret)
 
 
 def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
@@ -78,7 +88,11 @@ def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dty
     `row_products`' kernels, which hold no GEMM workspace and no copy of W's slices
     (interop.blocking.kernel_memory_block_shape: small heads). Either way a "memory" forward
     pass that forms no gradients takes its statistics from `fused_stats.row_stats`, which
-    writes no logits."""
+    writes no logits. "chunked": blocks of whole rows, chunk_rows of them."""
+    if strategy == "chunked":
+        return BlockedConfig(options, weight_layout, strategy, "rows", chunk_rows(t, n_rows, hidden, vocab), vocab,
+                             accumulate_in_input_dtype, return_lse, interpret=platform != "gpu", skip_ignored=False,
+                             fused_stats=False, tuning=t)
     skip = not return_lse and skipping_pays(t, n_rows, hidden, vocab)
     itemsize = jnp.dtype(dtype).itemsize
     interpret = platform != "gpu"
@@ -122,9 +136,10 @@ class Head:
         return contract(x_RD, W_c, 1, 1 if self.vd else 0, self.logits_dtype)
 
     def grad_input_share(self, dz, W_c, out_dtype=None):
-        """dz W_c: [R, D] accumulated in fp32 (fp64 for fp64 dz), returned in out_dtype (that
-        accumulator's unless given)."""
-        return contract(dz, W_c.astype(dz.dtype), 1, 0 if self.vd else 1, out_dtype or _wide(dz))
+        """dz W_c: [R, D] with dz in W's dtype (fp32 dz of the fallback rounded to a 16-bit W,
+        as a linear layer's backward takes it, rather than W copied to fp32), accumulated in
+        fp32 (fp64 for fp64) and returned in out_dtype (that accumulator's unless given)."""
+        return contract(dz.astype(W_c.dtype), W_c, 1, 0 if self.vd else 1, out_dtype or _wide(dz))
 
     def grad_weight_share(self, dz, x_RD, out_dtype):
         """dz^T x ([cols, D]) or x^T dz ([D, cols]), accumulated in fp32 (fp64 for fp64 dz)
@@ -175,15 +190,20 @@ def _wide(a):
 
 
 class Problem(Head):
-    """A cross-entropy call: the head in cfg's column blocks plus the options and target
-    facts; its column blocks' products are `row_products`' kernels with cfg.kernel_products."""
+    """A cross-entropy call: the head in cfg's column blocks plus the options, target facts
+    and block steps; per-row values in `wide` (fp32, fp64 for fp64 inputs), the logits too
+    for steps that compute on them (XlaOps); its column blocks' products are `row_products`'
+    kernels with cfg.kernel_products."""
 
     def __init__(self, x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
-        super().__init__(x_ND, W, b_V, cfg.weight_layout, cfg.block_cols)
+        self.ops = cfg.ops
+        self.wide = compute_dtype(x_ND.dtype)
+        super().__init__(x_ND, W, b_V, cfg.weight_layout, cfg.block_cols,
+                         logits_dtype=self.wide if self.ops.compute_logits else None)
         self.cfg = cfg
-        self.cw = None if cw_V is None else cw_V.astype(jnp.float32)
+        self.cw = None if cw_V is None else cw_V.astype(self.wide)
         self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
-        self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, jnp.float32)
+        self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, self.wide)
         self.keep = self.rows.valid if cfg.skip_ignored else None  # the rows row_loop must compute
 
     def col_logits(self, x_RD, v0, cols: int):
@@ -203,26 +223,29 @@ class Problem(Head):
 
 
 def _bias_grad_buffer(prob: Problem, b_V):
-    """The fp32 [V] accumulator of grad_bias, or None without a bias (no column sums of dz)."""
-    return None if b_V is None else jnp.zeros((prob.vocab,), jnp.float32)
+    """The [V] accumulator of grad_bias (prob.wide), or None without a bias (no column sums of dz)."""
+    return None if b_V is None else jnp.zeros((prob.vocab,), prob.wide)
 
 
 def _stats_of_block(prob: Problem, z, v0, y_R, stats):
     opts = prob.cfg.options
-    return block_stats(z, v0_array(v0), prob.b, prob.cw, y_R, stats, opts.softcap, opts.label_smoothing > 0,
-                       prob.cfg.interpret)
+    return prob.ops.stats(z, v0, prob.b, y_R, stats, opts.softcap, 1.0, prob.cw, opts.label_smoothing > 0)
 
 
-def _initial_stats(R: int):
-    """(m, l, s_y, ws) before any column: (-inf, 0, 0, 0), fp32 [R] each."""
-    zeros = jnp.zeros(R, jnp.float32)
-    return jnp.full((R,), -jnp.inf, jnp.float32), zeros, zeros, zeros
+def _grad_of_block(prob: Problem, z, v0, y_R, lse_R, p_R, t_R, s_R):
+    return prob.ops.grad(z, v0, prob.b, y_R, prob.cfg.options.softcap, 1.0, lse_R, p_R, t_R, None, prob.cw, s_R)
+
+
+def _initial_stats(prob: Problem, R: int):
+    """(m, l, s_y, ws) before any column: (-inf, 0, 0, 0), [R] each in prob.wide."""
+    zeros = jnp.zeros(R, prob.wide)
+    return jnp.full((R,), -jnp.inf, prob.wide), zeros, zeros, zeros
 
 
 def _stats(prob: Problem, x_RD, y_R):
     """(lse, s_y, ws) [R] of a row block, over all its column blocks."""
     body = lambda v0, cols, stats: _stats_of_block(prob, prob.col_logits(x_RD, v0, cols), v0, y_R, stats)
-    m, l, s_y, ws = prob.col_loop(body, _initial_stats(x_RD.shape[0]))
+    m, l, s_y, ws = prob.col_loop(body, _initial_stats(prob, x_RD.shape[0]))
     return m + jnp.log(l), s_y, ws
 
 
@@ -252,7 +275,7 @@ def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
         return loss, lse, None
     # The gradient of each row for an upstream gradient of 1: "mean" is "sum" scaled by
     # 1 / (the valid rows' summed class weight), a global the row blocks can't see.
-    scale = 1.0 / rows.cw_y.sum() if opts.reduction == "mean" else jnp.float32(1.0)
+    scale = 1.0 / rows.cw_y.sum() if opts.reduction == "mean" else jnp.asarray(1.0, prob.wide)
     per_row_opts = dataclasses.replace(opts, reduction="sum")
 
     def row_step(carry, xs):
@@ -261,21 +284,21 @@ def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
             return carry, _stats(prob, x_R, y_R)
         dW, db = carry  # whole rows: one block, its logits rewritten in place as dz
         z = prob.logits(x_R, W)
-        m, l, s_y, ws = _stats_of_block(prob, z, 0, y_R, _initial_stats(x_R.shape[0]))
+        m, l, s_y, ws = _stats_of_block(prob, z, 0, y_R, _initial_stats(prob, x_R.shape[0]))
         lse = m + jnp.log(l)
         block_rows = TargetRows(y_R, valid_R, in_range_R, bad_R, cw_y_R)
         coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
-        dz = block_grad(z, v0_array(0), prob.b, prob.cw, y_R, lse, *coefs, opts.softcap, cfg.interpret)
+        dz = _grad_of_block(prob, z, 0, y_R, lse, *coefs)
         dx_R = prob.grad_input_share(dz, W, x_R.dtype)
         dW = dW + prob.grad_weight_share(dz, x_R, dW.dtype)
         if db is not None:
-            db = db + dz.astype(jnp.float32).sum(0)
+            db = db + dz.astype(db.dtype).sum(0)
         return (dW, db), (lse, s_y, ws, dx_R)
 
     per_row = (x_ND, rows.safe_y, rows.valid, rows.bad, rows.in_range, rows.cw_y)
     carry = None
     if with_grads:
-        acc = W.dtype if cfg.accumulate_in_input_dtype else jnp.float32
+        acc = W.dtype if cfg.accumulate_in_input_dtype else prob.wide
         carry = (jnp.zeros(W.shape, acc), _bias_grad_buffer(prob, b_V))
     carry, outs = row_loop(row_step, carry, per_row, n, cfg.block_rows, prob.keep, cfg.tail_split)
     lse, s_y, ws = outs[:3]
@@ -306,22 +329,20 @@ def gradients(prob: Problem, x_ND, y_N, lse_N, coefs, keep=None, dx_dtype=None):
     indices (T's one-hot lands on column y, none for any other value); keep: the rows to
     compute (`rows.row_loop`), or None for all; dx_dtype: grad_input's (x's unless given)."""
     cfg, b_V, W = prob.cfg, prob.b, prob.W
-    opts = cfg.options
 
     def row_step(carry, xs):
         x_R, y_R, lse_R, p_R, t_R, s_R = xs
 
         def body(v0, cols, c):
-            dz = block_grad(prob.col_logits(x_R, v0, cols), v0_array(v0), prob.b, prob.cw, y_R, lse_R, p_R, t_R, s_R,
-                            opts.softcap, cfg.interpret)
+            dz = _grad_of_block(prob, prob.col_logits(x_R, v0, cols), v0, y_R, lse_R, p_R, t_R, s_R)
             return prob.add_shares(dz, x_R, v0, cols, *c)
 
         dW, db = carry
-        dW, db, dx_acc = prob.col_loop(body, (dW, db, jnp.zeros(x_R.shape, jnp.float32)))
+        dW, db, dx_acc = prob.col_loop(body, (dW, db, jnp.zeros(x_R.shape, prob.wide)))
         return (dW, db), (dx_acc.astype(dx_dtype or x_R.dtype),)
 
     per_row = (x_ND, y_N, lse_N) + tuple(coefs)
-    acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else jnp.float32
+    acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else prob.wide
     init = (jnp.zeros(W.shape, acc), _bias_grad_buffer(prob, b_V))
     (dW, db), (dx,) = row_loop(row_step, init, per_row, x_ND.shape[0], cfg.block_rows, keep, cfg.tail_split)
     return dx, dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype)

@@ -1,5 +1,5 @@
 """The distillation losses over blocks of logits (interop/SPEC-DISTILLATION.md) for JAX: the
-blocks and strategies of `jax_impl.blocked`, the block steps of `jax_impl.distill_ops`
+blocks and strategies of `jax_impl.blocked`, the block steps of `jax_impl.steps`
 (Pallas kernels, or jax.numpy for the fallback), inside a `jax.custom_vjp`.
 
 As in `torch_impl.distill_blocked`: the top-K loss gathers s at the teacher ids from the
@@ -20,7 +20,7 @@ from interop.blocking import block_shape, chunk_rows
 from interop.distillation import DenseDistillationOptions
 from interop.tuning import Tuning
 from jax_impl.blocked import Head
-from jax_impl.distill_ops import KernelOps, XlaOps
+from jax_impl.steps import steps_of
 from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, put_entries, reduce_rows, row_weights,
                                    topk_row_terms)
 from jax_impl.rows import compute_dtype, row_loop
@@ -45,10 +45,10 @@ class DistillConfig:
 
     @property
     def ops(self):
-        return XlaOps() if self.strategy == "chunked" else KernelOps(self.interpret)
+        return steps_of(self.strategy, self.interpret)
 
     def head(self, x, W, b=None) -> Head:
-        logits = compute_dtype(x.dtype) if self.strategy == "chunked" else None
+        logits = compute_dtype(x.dtype) if self.ops.compute_logits else None
         return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits)
 
     def accumulate_dtype(self, dtype):
@@ -70,8 +70,9 @@ def plan_distillation(t: Tuning, options, weight_layout, strategy, n_rows, hidde
 
 
 def _running(R: int, dtype):
-    """(m, l, s_y) before any column: (-inf, 0, 0)."""
-    return jnp.full((R,), -jnp.inf, dtype), jnp.zeros((R,), dtype), jnp.zeros((R,), dtype)
+    """(m, l, s_y, ws) before any column: (-inf, 0, 0, 0)."""
+    zeros = jnp.zeros((R,), dtype)
+    return jnp.full((R,), -jnp.inf, dtype), zeros, zeros, zeros
 
 
 def _grad_buffers(cfg: DistillConfig, W, bias: bool):
@@ -111,10 +112,10 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
         init = (_running(R, wide), _running(R, wide), jnp.zeros((R, K), wide))
         if with_grads:
             z = head.logits(x_R, W)
-            (m, l, sy), (m1, l1, _), s_ids = stats(z, 0, x_R, y_R, ids_R, init)
+            (m, l, sy, _), (m1, l1, _, _), s_ids = stats(z, 0, x_R, y_R, ids_R, init)
         else:
             body = lambda v0, cols, c: stats(head.logits(x_R, head.head_cols(v0, cols)), v0, x_R, y_R, ids_R, c)
-            (m, l, sy), (m1, l1, _), s_ids = head.col_loop(body, init)
+            (m, l, sy, _), (m1, l1, _, _), s_ids = head.col_loop(body, init)
         lse_T = m + jnp.log(l)
         lse_1 = m1 + jnp.log(l1) if two else lse_T
         loss_R, A, C = topk_row_terms(s_ids, lse_T, lse_1, sy, P_R, logP_R, entry_R, bad_R, o)
@@ -220,7 +221,7 @@ def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, w
             s, t = pair(v0, cols)
             return ops.stats(s, v0, None, no_y, c[0], None, inv_t), ops.stats(t, v0, None, no_y, c[1], None, inv_t)
 
-        (ms, ls, _), (mt, lt, _) = student.col_loop(stats, (_running(R, wide), _running(R, wide)))
+        (ms, ls, _, _), (mt, lt, _, _) = student.col_loop(stats, (_running(R, wide), _running(R, wide)))
         lse_s, lse_t = ms + jnp.log(ls), mt + jnp.log(lt)
         sums = lambda v0, cols, c: ops.pair_sums(*pair(v0, cols), lse_s, lse_t, c, o)
         a, b = student.col_loop(sums, (jnp.zeros((R,), wide), jnp.zeros((R,), wide)))

@@ -9,20 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from interop.blocking import chunk_rows, speed_extra_bytes
+from interop.blocking import speed_extra_bytes
 from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_num_items, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
-from jax_impl.chunked import ChunkedConfig, chunked_linear_cross_entropy
+from jax_impl import blocked, kernels
+from jax_impl.function import blocked_linear_cross_entropy
 from jax_impl.rows import narrow_targets
 from jax_impl.sharding import on_mesh, row_spec
-
-try:
-    from jax_impl import blocked, kernels
-    from jax_impl.function import kernel_linear_cross_entropy
-    from jax_impl.vocab_parallel import config as vocab_parallel_config, vocab_parallel_cross_entropy
-except ImportError:  # no Pallas: the chunked path serves every call
-    blocked = kernels = None
+from jax_impl.vocab_parallel import config as vocab_parallel_config, vocab_parallel_cross_entropy
 
 
 def dtype_name(a) -> str | None:
@@ -103,7 +98,7 @@ def choose_strategy(strategy: str, dtype, n_rows: int, hidden: int, vocab: int, 
     """Resolve "auto" and route to "chunked" where the Pallas kernels can't run (not on a
     GPU unless LOGITLESS_PALLAS_INTERPRET=1, fp64, or a hidden size of 0: the kernels' blocks
     of x and W would have no columns; XLA's products of [N, 0] by [0, V] are zeros)."""
-    if (strategy == "chunked" or kernels is None or not kernels.kernels_can_run(platform)
+    if (strategy == "chunked" or not kernels.kernels_can_run(platform)
             or jnp.dtype(dtype) == jnp.float64 or hidden == 0):
         return "chunked"
     if strategy != "auto":
@@ -169,7 +164,7 @@ def linear_cross_entropy(
             equal, contiguous slice of the classes in the axis' order; input, target and the
             class weights (all V classes) are the same along the axis
             (`jax_impl.vocab_parallel`). The loss and lse are global; grad_weight is the
-            device's slice, grad_input the full gradient. Runs the kernel strategies.
+            device's slice, grad_input the full gradient. Every strategy.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
@@ -204,26 +199,17 @@ def linear_cross_entropy(
     platform = platform_of(input)
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
+    cfg = blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
+                       accumulate_in_input_dtype, return_lse, platform)
     if vocab_parallel is not None:
-        if strategy == "chunked":
-            raise ValueError("vocab_parallel runs the kernel strategies (a GPU, or Pallas interpret mode), not "
-                             f"strategy='chunked' (platform {platform!r}, dtype {dtype_name(input)})")
-        cfg = vocab_parallel_config(blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, local_vocab,
-                                                 input.dtype, accumulate_in_input_dtype, return_lse, platform))
+        cfg = vocab_parallel_config(cfg)
         loss, lse = vocab_parallel_cross_entropy(input.reshape(n, shape.hidden), linear_weight, linear_bias, weight,
                                                  y.reshape(n), cfg, vocab_parallel)
         return _result(loss.reshape(lead) if opts.reduction == "none" else loss, lse.reshape(lead), return_lse,
                        num_items_in_batch)
-    if strategy == "chunked":
-        cfg = ChunkedConfig(opts, weight_layout, chunk_rows(tuning, n, shape.hidden, shape.vocab), accumulate_in_input_dtype)
-        run = chunked_linear_cross_entropy
-    else:
-        cfg = blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, shape.vocab, input.dtype,
-                           accumulate_in_input_dtype, return_lse, platform)
-        run = kernel_linear_cross_entropy
 
     def rows(x, W, y, b, cw):
-        loss, lse_N = run(x.reshape(n, shape.hidden), W, b, cw, y.reshape(n), cfg)
+        loss, lse_N = blocked_linear_cross_entropy(x.reshape(n, shape.hidden), W, b, cw, y.reshape(n), cfg)
         return (loss.reshape(lead) if opts.reduction == "none" else loss), lse_N.reshape(lead)
 
     out_specs = lambda: (row_spec(input) if opts.reduction == "none" else P(), row_spec(input))

@@ -52,7 +52,7 @@ SECOND_ORDER_MESSAGE = (
 )
 
 
-def _no_derivative(primals, tangents):
+def no_derivative(primals, tangents):
     raise NotImplementedError(SECOND_ORDER_MESSAGE)
 
 
@@ -76,7 +76,7 @@ def pallas(kernel, out_shape, **params):
         return run(*operands)
 
     call = jax.custom_jvp(call)
-    call.defjvp(_no_derivative)
+    call.defjvp(no_derivative)
     return call
 
 

@@ -6,8 +6,8 @@ same rows x and global targets. As in `torch_impl.vocab_parallel`: each device r
 classes to per-row statistics (`blocked.row_statistics`), the devices combine them with one
 pmax and psums of a few floats per row (never logits) into the global lse, the target's
 logit and the class-weighted sum, and the backward pass recomputes each device's logits into
-its dz (`blocked.gradients`), giving its slice of grad_weight and grad_bias and, summed over
-the axis, the full grad_input. The forward pass computes statistics only, the backward pass
+its dz (`blocked.gradients`: the kernels' steps, or jax.numpy's for "chunked"), giving its
+slice of grad_weight and grad_bias and, summed over the axis, the full grad_input. The forward pass computes statistics only, the backward pass
 recomputes the logits (8 N D V / P flops per device).
 """
 
@@ -47,12 +47,13 @@ def _problem(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str):
     local_vocab = W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
     y_local, cw_local, vocab = _split(y_N, cw_V, local_vocab, axis)
     prob = blocked.Problem(x_ND, W, b_V, cw_local, y_local, cfg)
-    cw = None if cw_V is None else cw_V.astype(jnp.float32)
-    rows = TargetRows.build(y_N, cw, vocab, cfg.options.ignore_index, jnp.float32)
+    cw = None if cw_V is None else cw_V.astype(prob.wide)
+    rows = TargetRows.build(y_N, cw, vocab, cfg.options.ignore_index, prob.wide)
     return prob, y_local, rows, vocab if cw is None else cw.sum(), vocab
 
 
-def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str):
+def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str):
+    """(loss, lse [N]) of this device's slice of the head, combined over `axis`."""
     prob, y_local, rows, cw_sum, vocab = _problem(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     lse_local, s_y, ws = blocked.row_statistics(prob, x_ND, y_local)
     lse = _global_lse(lse_local, axis)
@@ -64,24 +65,28 @@ def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def vocab_parallel_cross_entropy(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str):
     """(loss, lse [N]) over flattened rows x [N, D] and this device's slice of the head;
-    fp32, the same on every device of `axis`."""
-    return _forward(x_ND, W, b_V, cw_V, y_N, cfg, axis)
+    fp32 (fp64 for fp64 input), the same on every device of `axis`."""
+    return forward(x_ND, W, b_V, cw_V, y_N, cfg, axis)
 
 
 def _fwd(x_ND, W, b_V, cw_V, y_N, cfg, axis):
-    loss, lse = _forward(x_ND, W, b_V, cw_V, y_N, cfg, axis)
+    loss, lse = forward(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     return (loss, lse), (x_ND, W, b_V, cw_V, y_N, lse)
 
 
 def _bwd(cfg, axis, res, cotangents):
-    g_loss, g_lse = cotangents
-    x_ND, W, b_V, cw_V, y_N, lse = res
+    return backward(*cotangents, *res, cfg, axis) + (None, None)
+
+
+def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse, cfg: BlockedConfig, axis: str):
+    """(dx summed over `axis`, this device's dW and db) for the upstream gradients of
+    (loss, lse), recomputing the device's logits."""
     prob, y_local, rows, cw_sum, vocab = _problem(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     coefs = row_coefficients(g_loss, g_lse, lse, rows, cw_sum, cfg.options, vocab)
     # grad_input summed over the axis in fp32 and rounded once: one device's share can be much
     # larger than the sum (the target's -W_y on one device, p W on the others)
-    dx, dW, db = blocked.gradients(prob, x_ND, y_local, lse, coefs, dx_dtype=jnp.float32)
-    return jax.lax.psum(dx, axis).astype(x_ND.dtype), dW, db, None, None
+    dx, dW, db = blocked.gradients(prob, x_ND, y_local, lse, coefs, dx_dtype=prob.wide)
+    return jax.lax.psum(dx, axis).astype(x_ND.dtype), dW, db
 
 
 vocab_parallel_cross_entropy.defvjp(_fwd, _bwd)

@@ -290,12 +290,12 @@ def test_jax_column_remainder_shares_the_loops_buffers():
 
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import BlockedConfig
-    from jax_impl.function import kernel_linear_cross_entropy
+    from jax_impl.function import blocked_linear_cross_entropy
 
     n, d = 8192, 2304
     cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "memory", "tiles", 2816, 2048, False, True,
                         interpret=False, skip_ignored=False, fused_stats=True, tuning=DEFAULT)
 
-    loss = lambda x, W, y: kernel_linear_cross_entropy(x, W, None, None, y, cfg)[0]
+    loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
     needed = lambda v: _jax_fwd_bwd_bytes(loss, ((n, d), jnp.bfloat16), ((v, d), jnp.bfloat16), ((n,), jnp.int32))
     assert needed(254976) <= needed(256000)

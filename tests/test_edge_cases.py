@@ -127,12 +127,12 @@ def test_torch_kernels_check_targets_once_behind_the_first_product(monkeypatch, 
     target then still raises, naming it."""
     import torch
 
-    from torch_impl import blocked, functional, kernels
+    from torch_impl import blocks, functional, kernels
 
     events = []
-    check_targets, logits = kernels.check_targets, blocked.HeadBlocks.logits
+    check_targets, logits = kernels.check_targets, blocks.HeadBlocks.logits
     monkeypatch.setattr(kernels, "check_targets", lambda *a: events.append("check") or check_targets(*a))
-    monkeypatch.setattr(blocked.HeadBlocks, "logits", lambda *a: events.append("logits") or logits(*a))
+    monkeypatch.setattr(blocks.HeadBlocks, "logits", lambda *a: events.append("logits") or logits(*a))
     p = _out_of_range_problem()
     x, W = torch.from_numpy(p.x).requires_grad_(grad), torch.from_numpy(p.W)
     good_y = torch.from_numpy(np.where((p.y >= 0) & (p.y < p.vocab), p.y, -100))
@@ -282,3 +282,40 @@ def test_torch_softcap_saturated_on_cuda(strategy):
     ref = reference(p, options, np.ones(p.y.shape), np.ones(p.y.shape))
     for key, r in (("loss", ref.loss), ("lse", ref.lse), ("grad_x", ref.grad_input)):
         assert rel_err(result[key], r) <= 1e-5, f"{key}: {rel_err(result[key], r):.3g}"
+
+
+def test_torch_without_triton_runs_every_loss_on_the_fallback():
+    """Where Triton is not installed (it ships for Linux only), every loss and the vocabulary
+    split import and run on the fallback, equal to the float64 reference."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["triton"] = None  # import triton raises ImportError
+import numpy as np, torch
+import torch.distributed as dist
+import torch_impl
+from interop.reference import linear_cross_entropy_reference
+from tests.frameworks import make_problem
+
+p = make_problem(7, dtype="float32", bias=True)
+x, W, b = (torch.tensor(a, requires_grad=True) for a in (p.x, p.W, p.b))
+loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, strategy="speed")
+loss.backward()
+ref = linear_cross_entropy_reference(p.x, p.W, p.y, linear_bias=p.b, grad_output=1.0)
+assert abs(float(loss) - float(ref.loss)) <= 1e-5 * abs(float(ref.loss)), (float(loss), ref.loss)
+assert np.abs(x.grad.numpy() - ref.grad_input).max() <= 1e-5 * np.abs(ref.grad_input).max()
+assert not any(name.startswith("triton") for name in sys.modules if sys.modules[name] is not None)
+ids = torch.topk(torch.tensor(p.x @ p.W.T), 3).indices
+torch_impl.linear_topk_distillation(x, W, ids, torch.log_softmax(torch.randn(ids.shape), 1)).backward()
+torch_impl.linear_distillation(x, W, x.detach(), W.detach()).backward()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+split = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, vocab_parallel=dist.group.WORLD)
+assert abs(float(split) - float(loss)) <= 1e-6 * abs(float(loss))
+dist.barrier()
+dist.destroy_process_group()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]

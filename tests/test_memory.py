@@ -18,7 +18,7 @@ TORCH_PEAK = """
 import sys
 import torch
 sys.path.insert(0, {root!r})
-import torch_impl, torch_impl.chunked
+import torch_impl
 torch.manual_seed(0)
 N, D, V = {n}, {d}, {v}
 x = torch.randn(N, D, requires_grad=True)

@@ -84,16 +84,16 @@ def _dtensor_results(world: int) -> dict:
     x = distribute_tensor(torch.tensor(p.x), mesh, [Replicate()]).requires_grad_()
     W = distribute_tensor(torch.tensor(p.W), mesh, [Shard(0)]).requires_grad_()
     b = distribute_tensor(torch.tensor(p.b), mesh, [Shard(0)]).requires_grad_()
-    import torch_impl.vocab_parallel as vp
+    from torch_impl.stepped import SteppedLinearCrossEntropy
 
-    calls, apply = [], vp.VocabParallelLinearCrossEntropy.apply
-    vp.VocabParallelLinearCrossEntropy.apply = lambda *a: calls.append(1) or apply(*a)
+    groups, apply = [], SteppedLinearCrossEntropy.apply
+    SteppedLinearCrossEntropy.apply = lambda *a: groups.append(a[9]) or apply(*a)
     try:
         loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, strategy="speed", tuning=SMALL)
     finally:
-        vp.VocabParallelLinearCrossEntropy.apply = apply
+        SteppedLinearCrossEntropy.apply = apply
     loss.backward()
-    assert calls == [1], "the head was not split over the vocabulary"
+    assert len(groups) == 1 and groups[0] is not None, "the head was not split over the vocabulary"
     assert W.grad.placements == (Shard(0),) and x.grad.placements == (Replicate(),)
     return {"dtensor|loss": loss.detach().double().numpy(), "dtensor|grad_x": x.grad.to_local().double().numpy(),
             "dtensor|grad_W": W.grad.full_tensor().double().numpy(), "dtensor|grad_b": b.grad.full_tensor().double().numpy()}
@@ -272,10 +272,10 @@ def test_vocab_parallel_group_of_one_runs_the_cuda_kernels(strategy):
         dist.destroy_process_group()
 
 
-def jax_cases(dtype: str = "float32"):
+def jax_cases(dtype: str = "float32", strategies=("speed", "memory", "chunked")):
     """(key, strategy, problem, options, upstream gradients) of the JAX mesh tests."""
     for case, (options, problem_kwargs, with_lse) in CASES.items():
-        for strategy in ("speed", "memory"):
+        for strategy in strategies:
             for layout in ("VD", "DV") if case == "mean" else ("VD",):
                 seed = seed_of("jax-vocab-parallel", case, layout, dtype)
                 p = make_problem(seed, dtype=dtype, weight_layout=layout, vocab=52, **problem_kwargs)
@@ -322,8 +322,9 @@ print("done")
 
 def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
     """On 4 CPU devices, a (dp, tp) mesh: inside jax.shard_map (check_vma=True) with the head
-    split over "tp" (`vocab_parallel="tp"`), every option and both kernel strategies (and the
-    "DV" layout) give the float64 reference's loss, lse and gradients."""
+    split over "tp" (`vocab_parallel="tp"`), every option and every strategy (the kernels in
+    interpret mode, and the jax.numpy fallback; the "DV" layout too) give the float64
+    reference's loss, lse and gradients."""
     import subprocess
     import sys
 
@@ -345,8 +346,8 @@ def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
 
 @pytest.mark.cuda
 def test_jax_vocab_parallel_on_a_one_device_mesh_runs_the_cuda_kernels():
-    """`vocab_parallel="tp"` inside jax.shard_map over a one-GPU mesh: the Pallas kernels on
-    the GPU, against the float64 reference (fp32 and bf16)."""
+    """`vocab_parallel="tp"` inside jax.shard_map over a one-GPU mesh: the Pallas kernels (and
+    the jax.numpy fallback) on the GPU, against the float64 reference (fp32 and bf16)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P

@@ -25,38 +25,15 @@ Either may compute only some rows (`active`: those whose target is not ignored, 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
 import torch
 
-from interop.blocking import (block_shape, forward_only_rows, scratch_block_rows, weight_grad_slabs,
-                              whole_row_memory_scratch)
+from interop.blocking import block_shape, forward_only_rows, whole_row_memory_scratch
 from interop.options import CrossEntropyOptions
-from interop.tuning import DEFAULT, Tuning
+from interop.tuning import Tuning
+from torch_impl.blocks import BlockPlan, HeadBlocks, addmm_, final_grad
 from torch_impl.kernels import FILTER_COLS, RowMath, TargetCheck, TileFilter, block_grad_, block_stats_
-
-SCRATCH_ALIGN = 64  # elements: a block's logits in grad_input's buffer start 128-byte aligned (16-bit)
-
-@dataclasses.dataclass(frozen=True)
-class BlockPlan:
-    """How one call is blocked: the caller's `strategy`; `layout` "rows" (blocks of whole
-    rows, whose gradients can be formed in the forward pass) or "tiles" (blocks of rows and
-    vocabulary columns, recomputed in the backward pass); rows and columns per block; the
-    grad_weight accumulation dtype; the gradient filter's threshold (None: no filtering);
-    grad_input_scratch: elements of a logits scratch after grad_input (0: none; blocks of
-    whole rows whose size then varies, `HeadBlocks.row_blocks`; block_rows serves loops
-    without grad_input); the call's tuning."""
-
-    strategy: str
-    layout: str
-    block_rows: int
-    block_cols: int
-    accumulate_dtype: torch.dtype
-    filter_eps: float | None = None
-    grad_input_scratch: int = 0
-    tuning: Tuning = DEFAULT
 
 
 def plan_blocks(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype,
@@ -81,275 +58,6 @@ def plan_blocks(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, 
         return BlockPlan("speed", "rows", rows, cols, dtype if accumulate_in_input_dtype else torch.float32, filter_eps,
                          tuning=t)
     return BlockPlan("memory", "tiles", rows, cols, dtype, filter_eps, tuning=t)
-
-
-def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
-    """acc = beta * acc + a @ b in acc's dtype (fp32 acc with 16-bit a, b allowed); with
-    beta 0, acc's old content is not read (it may be uninitialised)."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b, beta=beta)
-    elif acc.is_cuda and _mixed_addmm_supported():  # cuBLAS adds the 16-bit product in fp32, in place
-        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
-    else:  # products in acc's dtype, 4096 rows of acc at a time (bounded temporaries)
-        b = b.to(acc.dtype)
-        for i in range(0, acc.shape[0], 4096):
-            product = a[i : i + 4096].to(acc.dtype) @ b
-            if beta:
-                acc[i : i + 4096] += product
-            else:
-                acc[i : i + 4096] = product
-
-
-@functools.cache
-def _mixed_addmm_supported() -> bool:
-    """Whether this torch has addmm with out_dtype (16-bit inputs into fp32), probed once on a
-    tiny CUDA problem; errors of real calls propagate (an out-of-memory is not "unsupported")."""
-    try:
-        acc = torch.zeros(1, 1, device="cuda")
-        one = torch.ones(1, 1, device="cuda", dtype=torch.bfloat16)
-        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
-        return True
-    except (RuntimeError, TypeError):
-        return False
-
-
-class WeightGrad:
-    """grad_weight accumulated in `dtype` as vocabulary slabs (interop.blocking.
-    weight_grad_slabs), each its own tensor, so that the conversion to W's dtype frees each
-    slab as it goes: an fp32 accumulator of a 16-bit W peaks at 2 W + W / slabs, not 3 W.
-    A slab's first product overwrites it (no zero fill to read back); a slab that only
-    gets parts of blocks is zeroed first, one that gets none at the end. `slabs` holds the
-    accumulator's tensors until `result` spends them."""
-
-    def __init__(self, W, layout: str, dtype: torch.dtype, t: Tuning):
-        vocab, hidden = (W.shape[0], W.shape[1]) if layout == "VD" else (W.shape[1], W.shape[0])
-        self.layout, self.dtype = layout, W.dtype
-        self.starts = weight_grad_slabs(t, vocab, hidden * dtype.itemsize, dtype != W.dtype)
-        shape = (lambda n: (n, W.shape[1])) if layout == "VD" else (lambda n: (W.shape[0], n))
-        self.slabs = [torch.empty(shape(b - a), dtype=dtype, device=W.device) for a, b in zip(self.starts, self.starts[1:])]
-        self.written = [False] * len(self.slabs)
-
-    def add_(self, dz_RC, x_RD, v0: int) -> None:
-        """Add dz [R, C]^T x [R, D] to the rows (classes) v0..v0+C."""
-        v1 = v0 + dz_RC.shape[1]
-        for i, (slab, a, b) in enumerate(zip(self.slabs, self.starts, self.starts[1:])):
-            lo, hi = max(a, v0), min(b, v1)
-            if lo >= hi:
-                continue
-            if not self.written[i] and (lo, hi) != (a, b):
-                slab.zero_()
-                self.written[i] = True
-            beta = 1.0 if self.written[i] else 0.0
-            dz = dz_RC[:, lo - v0 : hi - v0]
-            if self.layout == "VD":
-                _addmm_(slab[lo - a : hi - a], dz.T, x_RD, beta)
-            else:
-                _addmm_(slab[:, lo - a : hi - a], x_RD.T, dz, beta)
-            self.written[i] = True
-
-    def index_add_(self, classes_K: torch.Tensor, rows_KD: torch.Tensor) -> None:
-        """Add rows [K, D] (fp32) to the classes classes_K [K] (int64 in [0, V), repeats
-        allowed; CUDA adds them with atomics, in no fixed order)."""
-        for i, (slab, a, b) in enumerate(zip(self.slabs, self.starts, self.starts[1:])):
-            if not self.written[i]:
-                slab.zero_()
-                self.written[i] = True
-            inside = (classes_K >= a) & (classes_K < b)
-            part = (rows_KD * inside[:, None]).to(slab.dtype)
-            index = torch.where(inside, classes_K - a, 0)
-            if self.layout == "VD":
-                slab.index_add_(0, index, part)
-            else:
-                slab.index_add_(1, index, part.T)
-
-    def result(self) -> torch.Tensor:
-        """grad_weight in W's dtype and layout; the accumulator is spent."""
-        slabs, self.slabs = self.slabs, []
-        for i in range(len(slabs)):  # by index: a loop variable would keep the last slab alive
-            if not self.written[i]:
-                slabs[i].zero_()
-        if len(slabs) == 1:
-            return slabs[0].to(self.dtype)
-        parts = []
-        while slabs:
-            parts.append(slabs.pop(0).to(self.dtype))
-        return torch.cat(parts, dim=0 if self.layout == "VD" else 1)
-
-
-class HeadBlocks:
-    """One linear head's operands cut into blocks: x [N, D], W ([V, D] "VD" or [D, V] "DV"),
-    bias [V] or None, the plan, and one reused logits buffer. `vocab` may be smaller than
-    W's (the first `vocab` classes); `logits_dtype` other than x's (the fallback's fp32)
-    computes each block in x's dtype and converts it.
-
-    `active` (int64 [A], ascending) restricts the work to those rows of x (the others get
-    no logits and a zero grad_input): row blocks are then slices of `active`, whose x rows
-    are gathered block by block and whose grad_input rows are scattered back.
-
-    With plan.grad_input_scratch, `gradient_buffers` makes grad_input the head of one buffer
-    whose tail is the logits scratch: each row block's logits lie after the rows of
-    grad_input that it and the blocks before it may write, so blocks are larger while
-    grad_input still has unwritten rows (`row_blocks`). The returned grad_input keeps that
-    buffer (the scratch's bytes live as long as it)."""
-
-    def __init__(self, x_ND, W, b_V, weight_layout: str, plan: BlockPlan, vocab: int | None = None, logits_dtype=None,
-                 active=None):
-        self.x, self.W, self.b, self.layout, self.plan = x_ND, W, b_V, weight_layout, plan
-        self.vocab = (W.shape[0] if weight_layout == "VD" else W.shape[1]) if vocab is None else vocab
-        self.logits_dtype = x_ND.dtype if logits_dtype is None else logits_dtype
-        self.active = active
-        self.n_rows = x_ND.shape[0] if active is None else active.shape[0]
-        self._gathered = (None, None)  # (row block, its gathered x rows): logits and dW use the same block
-        self._storage = None  # with the scratch: grad_input [N, D] then the logits scratch, flat
-        self.buffer = self._new_buffer(0 if plan.grad_input_scratch else plan.block_rows)
-
-    def _new_buffer(self, rows: int) -> torch.Tensor:
-        """A flat logits buffer for blocks of `rows` rows and plan.block_cols columns."""
-        n = min(rows, self.n_rows) * min(self.plan.block_cols, self.vocab)
-        return torch.empty(n if self.logits_dtype == self.x.dtype else 0, dtype=self.x.dtype, device=self.x.device)
-
-    def row_blocks(self):
-        """Slices of the computed rows (of x's rows, or of `active`): plan.block_rows each, or
-        with the scratch as many as fit (interop.blocking.scratch_block_rows)."""
-        if self._storage is None:
-            for r0 in range(0, self.n_rows, self.plan.block_rows):
-                yield slice(r0, min(r0 + self.plan.block_rows, self.n_rows))
-            return
-        r0 = 0
-        while r0 < self.n_rows:
-            r1 = r0 + scratch_block_rows(self.plan.tuning, self.n_rows - r0, self.x.shape[1], self.vocab, self.plan.grad_input_scratch)
-            yield slice(r0, r1)
-            r0 = r1
-
-    def _logits_space(self, rs: slice) -> torch.Tensor:
-        """The flat space for row block rs's logits: the buffer, or the part of grad_input's
-        buffer after every row that blocks up to rs may write (with `active`, ascending, the
-        i-th computed row is at most row N - A + i of x)."""
-        if self._storage is None:
-            return self.buffer
-        n_all, hidden = self.x.shape
-        start = -(-(n_all - self.n_rows + rs.stop) * hidden // SCRATCH_ALIGN) * SCRATCH_ALIGN
-        return self._storage[start:]
-
-    def _grad_input_with_scratch(self) -> torch.Tensor:
-        """grad_input [N, D] in x's dtype, uninitialised: the head of a buffer that ends in the
-        plan's scratch."""
-        n_all, hidden = self.x.shape
-        self._storage = torch.empty(n_all * hidden + SCRATCH_ALIGN + self.plan.grad_input_scratch, dtype=self.x.dtype,
-                                    device=self.x.device)
-        return self._storage[: n_all * hidden].view(n_all, hidden)
-
-    def zero_skipped_dx_rows(self, dx_ND: torch.Tensor) -> None:
-        """With the scratch and `active`, zero grad_input's rows not computed (they held logits)."""
-        if self._storage is not None and self.active is not None:
-            skipped = torch.ones(dx_ND.shape[0], dtype=torch.bool, device=dx_ND.device).index_fill_(0, self.active, False)
-            dx_ND.masked_fill_(skipped[:, None], 0)
-
-    def x_rows(self, rs: slice) -> torch.Tensor:
-        """x's rows of row block rs, [R, D] (a view, or gathered from `active`)."""
-        if self.active is None:
-            return self.x[rs]
-        if self._gathered[0] != rs:
-            self._gathered = (None, None)  # the previous block's rows go first: one gathered block at a time
-            self._gathered = (rs, self.x.index_select(0, self.active[rs]))
-        return self._gathered[1]
-
-    def dx_rows(self, dx_ND: torch.Tensor, rs: slice) -> torch.Tensor:
-        """Where row block rs's grad_input [R, D] is written: a view of dx, or (with `active`)
-        a new block for `scatter_dx_rows`."""
-        if self.active is None:
-            return dx_ND[rs]
-        return torch.empty(rs.stop - rs.start, dx_ND.shape[1], dtype=dx_ND.dtype, device=dx_ND.device)
-
-    def scatter_dx_rows(self, dx_ND: torch.Tensor, rs: slice, dx_RD: torch.Tensor) -> None:
-        """Store the block `dx_rows` gave for rs in dx (nothing to do for a view)."""
-        if self.active is not None:
-            dx_ND.index_copy_(0, self.active[rs], dx_RD)
-
-    def put_dx_rows(self, dx_ND: torch.Tensor, rs: slice, src_RD: torch.Tensor) -> None:
-        """dx's rows of row block rs = src_RD [R, D] (an accumulator of any float dtype). With
-        `active`, the conversion to dx's dtype goes through the logits buffer when it is
-        large enough: call this between blocks, when the buffer is free."""
-        if self.active is None:
-            dx_ND[rs] = src_RD
-            return
-        R, D = src_RD.shape
-        if self.buffer.dtype == dx_ND.dtype and self.buffer.numel() >= R * D:
-            block = self.buffer[: R * D].view(R, D).copy_(src_RD)
-        else:
-            block = src_RD.to(dx_ND.dtype)
-        dx_ND.index_copy_(0, self.active[rs], block)
-
-    def all_rows(self, t_A: torch.Tensor) -> torch.Tensor:
-        """A per-row tensor over the computed rows [A] as one over all rows [N] (0 elsewhere)."""
-        if self.active is None:
-            return t_A
-        return t_A.new_zeros(self.x.shape[0]).index_copy_(0, self.active, t_A)
-
-    def active_rows(self, t_N: torch.Tensor) -> torch.Tensor:
-        """A per-row tensor over all rows [N] restricted to the computed rows [A]."""
-        return t_N if self.active is None else t_N.index_select(0, self.active)
-
-    def col_blocks(self):
-        for v0 in range(0, self.vocab, self.plan.block_cols):
-            yield v0, min(self.plan.block_cols, self.vocab - v0)
-
-    @property
-    def whole_rows(self) -> bool:
-        return self.plan.block_cols >= self.vocab
-
-    def head_cols(self, v0: int, cols: int) -> torch.Tensor:
-        """W's columns v0..v0+cols as a [cols, D] view."""
-        return self.W[v0 : v0 + cols] if self.layout == "VD" else self.W[:, v0 : v0 + cols].T
-
-    def head_rows(self, classes_K: torch.Tensor) -> torch.Tensor:
-        """W's classes classes_K [K] (int64) gathered into [K, D]."""
-        return self.W.index_select(0, classes_K) if self.layout == "VD" else self.W.index_select(1, classes_K).T
-
-    def logits(self, rs: slice, v0: int, cols: int) -> torch.Tensor:
-        """z [R, cols] = x[rs] @ W[v0:v0+cols].T (no bias), in the reused buffer."""
-        x_R = self.x_rows(rs)
-        if self.logits_dtype != x_R.dtype:
-            return (x_R @ self.head_cols(v0, cols).T).to(self.logits_dtype)
-        z = self._logits_space(rs)[: x_R.shape[0] * cols].view(x_R.shape[0], cols)
-        return torch.mm(x_R, self.head_cols(v0, cols).T, out=z)
-
-    def add_grads(self, dz, rs: slice, v0: int, cols: int, dx_out, dW, db, dx_accumulate: bool = False) -> None:
-        """Add dz [R, cols]'s share to the gradients: dx_out [R, D] = dz W_c (+= if
-        dx_accumulate: an accumulator over column blocks), dW (a WeightGrad) += dz^T x, db += .."""
-        if dx_out is not None:
-            W_c = self.head_cols(v0, cols)
-            dz_in = dz.to(W_c.dtype)
-            if dx_accumulate:
-                _addmm_(dx_out, dz_in, W_c)
-            else:
-                torch.mm(dz_in, W_c, out=dx_out)
-        if dW is not None:
-            dW.add_(dz, self.x_rows(rs).to(dz.dtype), v0)
-        if db is not None:
-            db[v0 : v0 + cols] += dz.sum(0, dtype=db.dtype)
-
-    def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool):
-        """(dx [N, D] in x's dtype, fp32 [R, D] accumulator when rows span several column
-        blocks, dW a WeightGrad in the plan's accumulation dtype, db fp32 [V]; fp64 for fp64
-        inputs). Filtering adds dW in parts: it keeps the plan's accumulator. With the plan's
-        scratch, dx heads the logits' buffer (without dx, a buffer of plan.block_rows rows)."""
-        x, W = self.x, self.W
-        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if self.plan.grad_input_scratch and need_x:
-            dx = self._grad_input_with_scratch()
-        elif self.plan.grad_input_scratch:
-            dx, self.buffer = None, self._new_buffer(self.plan.block_rows)
-        else:
-            dx = (torch.empty_like(x) if self.active is None else torch.zeros_like(x)) if need_x else None
-        dx_acc = torch.zeros(min(self.plan.block_rows, self.n_rows), x.shape[1], dtype=wide, device=x.device) \
-            if need_x and not self.whole_rows else None
-        # One row block: each element of dW is one product, accumulated in fp32 by cuBLAS
-        # and written once in W's dtype, as exact as a wider accumulator and without it.
-        one_product = self.n_rows <= self.plan.block_rows and self.logits_dtype == W.dtype and self.plan.filter_eps is None
-        dW = WeightGrad(W, self.layout, W.dtype if one_product else self.plan.accumulate_dtype, self.plan.tuning) if need_W else None
-        db = torch.zeros(W.shape[0] if self.layout == "VD" else W.shape[1], dtype=wide, device=W.device) if need_b else None
-        return dx, dx_acc, dW, db
 
 
 class _Blocks(HeadBlocks):
@@ -387,7 +95,7 @@ class _Blocks(HeadBlocks):
         target = f.target
         if dx_out is not None:
             acc = torch.empty(dx_out.shape, dtype=target.dtype, device=dz.device)
-            _addmm_(acc, dz, W_A, beta=0.0)
+            addmm_(acc, dz, W_A, beta=0.0)
             acc.addcmul_(target[:, None], self.head_rows(y).to(acc.dtype))
             dx_out.copy_(acc)
         x_R = self.x_rows(rs)
@@ -396,7 +104,7 @@ class _Blocks(HeadBlocks):
                 dW.add_(dz, x_R, 0)
             else:
                 part = torch.empty(cols.shape[0], x_R.shape[1], dtype=target.dtype, device=dz.device)
-                _addmm_(part, dz.T, x_R, beta=0.0)
+                addmm_(part, dz.T, x_R, beta=0.0)
                 dW.index_add_(cols, part)
             dW.index_add_(y, target[:, None] * x_R.to(target.dtype))
         if db is not None:
@@ -492,10 +200,3 @@ def kept_columns(kept_tiles: list[int], vocab: int, device) -> torch.Tensor:
     cols = (tiles[:, None] * FILTER_COLS + torch.arange(FILTER_COLS, device=device)).flatten()
     last = kept_tiles[-1] * FILTER_COLS + FILTER_COLS - vocab if kept_tiles else 0
     return cols[: cols.shape[0] - max(0, last)]
-
-
-def final_grad(acc, like):
-    """An accumulated gradient (tensor or WeightGrad) in the dtype of `like`, or None."""
-    if acc is None:
-        return None
-    return acc.result() if isinstance(acc, WeightGrad) else acc.to(like.dtype)

@@ -1,6 +1,6 @@
 """The distillation losses over blocks of logits (interop/SPEC-DISTILLATION.md), for
 PyTorch: the same blocks and strategies as `torch_impl.blocked`, the block steps from
-`torch_impl.distill_ops` (Triton kernels, or PyTorch ops for the fallback).
+`torch_impl.steps` (Triton kernels, or PyTorch ops for the fallback).
 
 - top-K teacher: per row block, the student's statistics at temperature T (and at 1 for a
   hard-label term), s at the teacher ids (gathered from the blocks), then dz = the dense
@@ -20,9 +20,9 @@ import math
 import torch
 
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
-from torch_impl.blocked import HeadBlocks, final_grad
-from torch_impl.distill_ops import plan_steps
-from torch_impl.function import first_order_only
+from torch_impl.blocks import HeadBlocks, final_grad
+from torch_impl.steps import plan_steps
+from torch_impl.autograd import first_order_only
 from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
 from torch_impl.rows import compute_dtype
 

@@ -12,7 +12,7 @@ from interop.options import check_reduction, check_strategy, check_tuning, targe
 from interop.tuning import Tuning
 from torch_impl.arguments import check_tensors, dense, denominator
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation
-from torch_impl.distill_ops import plan_steps
+from torch_impl.steps import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
 from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute
 from torch_impl.rows import compute_dtype

@@ -6,12 +6,13 @@ import os
 
 import torch
 
-from interop.blocking import chunk_rows, skipping_pays, speed_extra_bytes
+from interop.blocking import skipping_pays, speed_extra_bytes
 from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
 from torch_impl.arguments import check_tensors, dense, denominator
-from torch_impl.chunked import ChunkedLinearCrossEntropy
+from torch_impl.stepped import SteppedLinearCrossEntropy
+from torch_impl.steps import plan_steps
 
 try:
     from torch_impl import blocked
@@ -21,7 +22,7 @@ except ImportError:  # no Triton: the chunked path serves every call
     blocked = None
 try:
     from torch_impl import vocab_parallel as parallel
-except ImportError:  # no Triton or no torch.distributed: no head split over ranks
+except ImportError:  # no torch.distributed: no head split over ranks
     parallel = None
 
 
@@ -197,19 +198,13 @@ def linear_cross_entropy(
     linear_bias, weight = dense(linear_bias), dense(weight)
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, local_vocab, tuning)
-    if vocab_parallel is not None:
+    if vocab_parallel is not None or strategy == "chunked":  # block steps: the fallback, or the split head
         _check_target_range(y_N, shape.vocab, opts.ignore_index)
-        plan, ops = parallel.plan(tuning, strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
-                                  accumulate_in_input_dtype)
-        loss, lse_N = parallel.VocabParallelLinearCrossEntropy.apply(
+        plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
+                               accumulate_in_input_dtype)
+        loss, lse_N = SteppedLinearCrossEntropy.apply(
             x_ND, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts, weight_layout, plan, ops,
             vocab_parallel, first, shape.vocab,
-        )
-    elif strategy == "chunked":
-        _check_target_range(y_N, shape.vocab, opts.ignore_index)
-        loss, lse_N = ChunkedLinearCrossEntropy.apply(
-            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout,
-            chunk_rows(tuning, shape.n_rows, shape.hidden, shape.vocab), accumulate_in_input_dtype,
         )
     else:
         # The kernels read out-of-range targets safely (NaN rows), so the work is queued before

@@ -1,7 +1,8 @@
-"""The block steps of the distillation and vocabulary-split paths, twice: on the Triton
-kernels (`KernelOps`, CUDA or TRITON_INTERPRET=1) and in plain PyTorch (`TorchOps`, the
-fallback: fp32 logits, fp64 for fp64 inputs). `torch_impl.distill_blocked` and
-`torch_impl.vocab_parallel` drive either.
+"""The block steps of every loss, twice: on the Triton kernels (`KernelOps`, CUDA or
+TRITON_INTERPRET=1) and in plain PyTorch (`TorchOps`, the fallback: fp32 logits, fp64 for fp64
+inputs). `torch_impl.stepped` (cross-entropy's fallback and the vocabulary split) and
+`torch_impl.distill_blocked` drive either; `torch_impl.blocked` runs single-device
+cross-entropy on the kernels directly (its fused row kernels and gradient filter).
 
 Each step works on one logits block z [R, C] (columns v0..v0+C, no bias) and per-row fp32
 (or fp64) vectors; "stats" merge the block into running (m, l) of scale * s, s at the
@@ -15,9 +16,13 @@ import torch
 
 from interop.blocking import block_shape, chunk_rows
 from interop.tuning import Tuning
-from torch_impl import kernels, pair_kernels
-from torch_impl.blocked import BlockPlan
+from torch_impl.blocks import BlockPlan
 from torch_impl.rows import compute_dtype
+
+try:
+    from torch_impl import kernels, pair_kernels
+except ImportError:  # no Triton: TorchOps only ("chunked")
+    kernels = pair_kernels = None
 
 
 class KernelOps:
@@ -75,7 +80,8 @@ class TorchOps:
             ws_R += s.sum(1) if cw_V is None else s @ cw_V[v0 : v0 + z.shape[1]].to(s.dtype)
         u = s * scale
         m_new = torch.maximum(m_R, u.max(dim=1).values)
-        l_R.mul_(torch.exp(m_R - m_new)).add_(torch.exp(u - m_new[:, None]).sum(1))
+        m_safe = torch.where(m_new == -torch.inf, 0.0, m_new)  # a row of -inf so far: l stays 0, not NaN
+        l_R.mul_(torch.exp(m_R - m_safe)).add_(torch.exp(u - m_safe[:, None]).sum(1))
         m_R.copy_(m_new)
         col = y_R - v0
         inside = (col >= 0) & (col < z.shape[1])
@@ -128,7 +134,7 @@ class TorchOps:
 def plan_steps(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
                       accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False):
     """(BlockPlan, ops) of the paths driven by block steps (distillation, the vocabulary
-    split): "speed" / "memory" on the Triton kernels (`KernelOps`) or "chunked" (`TorchOps`
+    split, cross-entropy's fallback): "speed" / "memory" on the Triton kernels (`KernelOps`) or "chunked" (`TorchOps`
     on row chunks of whole rows); n_rows: the rows computed; buffers: 2 when a dense
     teacher's logits are blocked too; gathered_rows: the rows are gathered (HeadBlocks.active)."""
     wide = compute_dtype(dtype)

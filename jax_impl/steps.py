@@ -1,10 +1,12 @@
-"""The block steps of the JAX distillation paths, twice: on the Pallas kernels
-(`KernelOps`) and in jax.numpy (`XlaOps`, the fallback: fp32 logits, fp64 for fp64 inputs);
-`jax_impl.distill_blocked` drives either (as `torch_impl.distill_ops`).
+"""The block steps of every JAX loss, twice: on the Pallas kernels (`KernelOps`) and in
+jax.numpy (`XlaOps`, the fallback: fp32 logits, fp64 for fp64 inputs). `jax_impl.blocked`
+(cross-entropy, the vocabulary split) and `jax_impl.distill_blocked` drive either, as
+`torch_impl.steps` serves PyTorch's.
 
 Each step takes one logits block z [R, C] (columns v0..v0+C, no bias) and per-row vectors;
-"stats" return the running (m, l of scale * s, s at the target) with the block merged in;
-"grad" returns dz.
+"stats" return the running (m, l of scale * s, s at the target, ws) with the block merged in,
+where ws is the class-weighted sum of s (cw [V] or ones), accumulated only with need_ws;
+"grad" returns dz, with the class-weighted term S cw_j when given S.
 """
 
 from __future__ import annotations
@@ -25,14 +27,13 @@ class KernelOps:
     def __init__(self, interpret: bool):
         self.interpret = interpret
 
-    def stats(self, z, v0, b_V, y_R, running, softcap, scale: float):
-        m, l, sy = running
-        m, l, sy, _ = kernels.block_stats(z, kernels.v0_array(v0), b_V, None, y_R, (m, l, sy, jnp.zeros_like(m)), softcap, False,
-                                          self.interpret, scale)
-        return m, l, sy
+    def stats(self, z, v0, b_V, y_R, running, softcap, scale: float = 1.0, cw_V=None, need_ws: bool = False):
+        return tuple(kernels.block_stats(z, kernels.v0_array(v0), b_V, cw_V, y_R, running, softcap, need_ws,
+                                         self.interpret, scale))
 
-    def grad(self, z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second):
-        return kernels.block_grad(z, kernels.v0_array(v0), b_V, None, y_R, lse_R, p_R, ty_R, jnp.zeros_like(p_R), softcap,
+    def grad(self, z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second=None, cw_V=None, s_R=None):
+        s_R = jnp.zeros_like(p_R) if s_R is None else s_R
+        return kernels.block_grad(z, kernels.v0_array(v0), b_V, cw_V, y_R, lse_R, p_R, ty_R, s_R, softcap,
                                   self.interpret, scale, second)
 
     def pair_sums(self, s, t, lse_s, lse_t, sums, o):
@@ -42,9 +43,14 @@ class KernelOps:
         return pair_kernels.pair_grad(s, t, lse_s, lse_t, b_R, coef_R, o.divergence, o.temperature, o.beta, self.interpret)
 
 
+def _cols(a_V, v0, z):
+    """a [V]'s entries of z's columns (v0..v0+C), in z's dtype."""
+    return jax.lax.dynamic_slice_in_dim(a_V, v0, z.shape[1]).astype(z.dtype)
+
+
 def _capped(z, v0, b_V, softcap):
     if b_V is not None:
-        z = z + jax.lax.dynamic_slice_in_dim(b_V, v0, z.shape[1]).astype(z.dtype)
+        z = z + _cols(b_V, v0, z)
     return z if softcap is None else softcap * jnp.tanh(z / softcap)
 
 
@@ -63,20 +69,25 @@ class XlaOps:
 
     compute_logits = True
 
-    def stats(self, z, v0, b_V, y_R, running, softcap, scale: float):
-        m, l, sy = running
+    def stats(self, z, v0, b_V, y_R, running, softcap, scale: float = 1.0, cw_V=None, need_ws: bool = False):
+        m, l, sy, ws = running
         s = _capped(z, v0, b_V, softcap)
+        if need_ws:
+            ws = ws + (s.sum(1) if cw_V is None else s @ _cols(cw_V, v0, s))
         u = s * scale
         m_new = jnp.maximum(m, u.max(axis=1))
-        l = l * jnp.exp(m - m_new) + jnp.exp(u - m_new[:, None]).sum(1)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row of -inf so far: l stays 0, not NaN
+        l = l * jnp.exp(m - m_safe) + jnp.exp(u - m_safe[:, None]).sum(1)
         inside, s_y, _ = _at_target(s, v0, y_R)
-        return m_new, l, sy + jnp.where(inside, s_y, 0)
+        return m_new, l, sy + jnp.where(inside, s_y, 0), ws
 
-    def grad(self, z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second):
+    def grad(self, z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second=None, cw_V=None, s_R=None):
         s = _capped(z, v0, b_V, softcap)
         dz = p_R[:, None] * jnp.exp(s * scale - lse_R[:, None])
         if second is not None:
             dz = dz + second[0][:, None] * jnp.exp(s - second[1][:, None])
+        if s_R is not None:
+            dz = dz - s_R[:, None] * (1.0 if cw_V is None else _cols(cw_V, v0, dz))
         inside, _, col = _at_target(s, v0, y_R)
         dz = dz - jnp.where(inside[:, None] & (jnp.arange(s.shape[1])[None, :] == col[:, None]), ty_R[:, None], 0)
         return dz if softcap is None else dz * (1 - (s / softcap) ** 2)
@@ -100,3 +111,8 @@ class XlaOps:
         else:
             g = (1 - o.beta) * jnp.exp(lq) * (lq - _log_mix(lq, lp, o.beta) - b_R[:, None])
         return coef_R[:, None] * g
+
+
+def steps_of(strategy: str, interpret: bool):
+    """The steps of a strategy: jax.numpy for "chunked" (the fallback), else the Pallas kernels."""
+    return XlaOps() if strategy == "chunked" else KernelOps(interpret)
