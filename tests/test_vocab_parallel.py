@@ -481,3 +481,26 @@ def test_jax_jit_partitions_sharded_operands_instead_of_gathering(tmp_path):
     done = subprocess.run([sys.executable, "-c", JIT_SCRIPT], env=env, cwd=repo, capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tp, fsdp", [(2, False), (1, True)])
+def test_jax_mesh_benchmark_runs_on_cpu_devices(tmp_path, tp, fsdp):
+    """`python -m bench.jax_mesh` (the JAX multi-GPU benchmark's command) on 4 CPU devices:
+    one record per method on the (dp, tp) mesh, the head split over "tp" or sharded over "dp",
+    and the same loss for each."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               LOGITLESS_PALLAS_INTERPRET="1", PYTHONPATH=repo)
+    out = tmp_path / "mesh.json"
+    args = ["--shapes", "64x16x96", "--dtype", "float32", "--tp", str(tp), "--repeat", "1", "--json", str(out)]
+    done = subprocess.run([sys.executable, "-m", "bench.jax_mesh", *args] + (["--fsdp"] if fsdp else []), env=env,
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = {r["method"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"ours-speed", "ours-memory", "naive"} and all(r["devices"] == 4 for r in records.values())
+    losses = [r["loss"] for r in records.values()]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
