@@ -74,11 +74,11 @@ def _split(mesh, x_sharding, w_sharding, n_rows: int, vocab: int, call: Call):
 
 
 def _specs(rows: tuple, vocab_axis, call: Call):
-    """PartitionSpecs of x [N, D], W, a [V] vector, a replicated [V] vector, y [N] and per-row [N] values."""
+    """PartitionSpecs of x [N, D], W, a [V] vector, a replicated [V] vector, and per-row [N] values (y, lse)."""
     r = rows if len(rows) != 1 else rows[0]
     r = r or None
     w = P(vocab_axis, None) if call.cfg.weight_layout == "VD" else P(None, vocab_axis)
-    return P(r, None), w, P(vocab_axis), P(), P(r), P(r)
+    return P(r, None), w, P(vocab_axis), P(), P(r)
 
 
 def _local_config(cfg: BlockedConfig, rows: tuple, vocab_axis, x_ND, W) -> BlockedConfig:
@@ -168,7 +168,7 @@ def _forward_partition(call: Call, with_grads: bool, mesh, arg_shapes, result_sh
     x, W = arg_shapes[0], arg_shapes[1]
     cfg = call.cfg
     rows, vocab_axis = _split(mesh, x.sharding, W.sharding, x.shape[0], _vocab(W, cfg), call)
-    x_spec, w_spec, v_spec, rep, y_spec, row_spec = _specs(rows, vocab_axis, call)
+    x_spec, w_spec, v_spec, rep, row_spec = _specs(rows, vocab_axis, call)
     reduced = cfg.options.reduction != "none"
     mean = rows and cfg.options.reduction == "mean"
 
@@ -197,7 +197,7 @@ def _forward_partition(call: Call, with_grads: bool, mesh, arg_shapes, result_sh
         return loss, lse, dx, _sum_over(dW, rows, scale), _zeros_for_absent(_sum_over(db, rows, scale), b_V)
 
     named = lambda spec: NamedSharding(mesh, spec)
-    args = tuple(map(named, (x_spec, w_spec, v_spec, rep, y_spec)))
+    args = tuple(map(named, (x_spec, w_spec, v_spec, rep, row_spec)))
     outs = (named(rep if reduced else row_spec), named(row_spec))
     if with_grads:
         outs += (named(x_spec), named(w_spec), named(v_spec))
@@ -238,7 +238,7 @@ def _backward_partition(call: Call, mesh, arg_shapes, result_shape):
     x, W = arg_shapes[2], arg_shapes[3]
     cfg = call.cfg
     rows, vocab_axis = _split(mesh, x.sharding, W.sharding, x.shape[0], _vocab(W, cfg), call)
-    x_spec, w_spec, v_spec, rep, y_spec, row_spec = _specs(rows, vocab_axis, call)
+    x_spec, w_spec, v_spec, rep, row_spec = _specs(rows, vocab_axis, call)
     reduced = cfg.options.reduction != "none"
 
     def lower(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N):
@@ -254,7 +254,7 @@ def _backward_partition(call: Call, mesh, arg_shapes, result_shape):
         return dx, _sum_over(dW, rows), _zeros_for_absent(_sum_over(db, rows), b_V)
 
     named = lambda spec: NamedSharding(mesh, spec)
-    args = tuple(map(named, (rep if reduced else row_spec, row_spec, x_spec, w_spec, v_spec, rep, y_spec, row_spec)))
+    args = tuple(map(named, (rep if reduced else row_spec, row_spec, x_spec, w_spec, v_spec, rep, row_spec, row_spec)))
     return mesh, lower, (named(x_spec), named(w_spec), named(v_spec)), args
 
 
