@@ -138,9 +138,11 @@ def _batched(body, axis_size, in_batched, *args):
     return outs, jax.tree.map(lambda _: True, outs)
 
 
+@functools.cache
 def _with_vmap(partitioned_fn, body, *static):
     """partitioned_fn(*args, *static), batched by jax.vmap as body(*args, *static) is, and
-    refusing derivatives as the kernels inside it do (`kernels.no_derivative`)."""
+    refusing derivatives as the kernels inside it do (`kernels.no_derivative`); one function
+    per configuration (cached), so that JAX's caches of traced functions hit across calls."""
     fn = custom_vmap(lambda *args: partitioned_fn(*args, *static))
     fn.def_vmap(functools.partial(_batched, lambda *args: body(*args, *static)))
     fn = jax.custom_jvp(fn)
