@@ -75,6 +75,7 @@ def _err(a, ref):
     return float((a.double() - ref).norm() / ref.norm())
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("shape", [(16384, 4096, 128256), (20000, 64, 128256)], ids=["L", "NV-over-2^31"])
 def test_large_shapes_against_fp64_and_eager(strategy, shape):
@@ -210,6 +211,7 @@ def test_jax_kernel_blocks_match_reference(case, dtype):
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (4096, 1024, 32000)],
                          ids=["L", "G", "S"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -253,6 +255,7 @@ def _jax_fwd_bwd_bytes(loss, *shapes) -> int:
     return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("return_lse", [False, True], ids=["loss", "loss-and-lse"])
 @pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936),
                                    (4096, 1024, 32000), (4096, 768, 50257), (8192, 4096, 32000)],

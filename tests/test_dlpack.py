@@ -104,6 +104,7 @@ def test_a_view_that_jax_cannot_alias_is_refused_or_copied_on_request():
 
 
 @pytest.mark.cuda
+@pytest.mark.alone
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_to_jax_waits_for_the_torch_kernel_that_writes_the_buffer():
     """torch's stream is held up (a sleep kernel), then a fill is queued behind it; JAX, on
@@ -117,6 +118,7 @@ def test_to_jax_waits_for_the_torch_kernel_that_writes_the_buffer():
 
 
 @pytest.mark.cuda
+@pytest.mark.alone
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_to_torch_waits_for_the_jax_computation():
     x = jax.device_put(jnp.ones((4096, 4096), jnp.float32), jax.devices("gpu")[0])

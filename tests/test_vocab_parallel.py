@@ -345,7 +345,9 @@ def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
 
 
 @pytest.mark.cuda
-def test_jax_vocab_parallel_on_a_one_device_mesh_runs_the_cuda_kernels():
+@pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_vocab_parallel_on_a_one_device_mesh_runs_the_cuda_kernels(dtype, strategy):
     """`vocab_parallel="tp"` inside jax.shard_map over a one-GPU mesh: the Pallas kernels (and
     the jax.numpy fallback) on the GPU, against the float64 reference (fp32 and bf16)."""
     import jax
@@ -355,28 +357,27 @@ def test_jax_vocab_parallel_on_a_one_device_mesh_runs_the_cuda_kernels():
     import jax_impl
 
     mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
-    for dtype in ("float32", "bfloat16"):
-        for key, strategy, p, options, (g_out, g_lse) in jax_cases(dtype):
-            lead = (None,) * (p.x.ndim - 1)
-            local = lambda x, W, b, y, cw: jax_impl.linear_cross_entropy(
-                x, W, y, linear_bias=b, weight=cw, weight_layout=p.weight_layout, strategy=strategy, tuning=SMALL,
-                vocab_parallel="tp", return_lse=True, **options)
-            w_spec = P("tp", None) if p.weight_layout == "VD" else P(None, "tp")
-            f = jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, None), w_spec, None if p.b is None else P("tp"),
-                                                          P(*lead), None if p.cw is None else P()),
-                              out_specs=(P(*lead) if options.get("reduction") == "none" else P(), P(*lead)))
-            arr = lambda a: None if a is None else jnp.asarray(a)
-            y, cw = jnp.asarray(p.y.astype(np.int32)), arr(p.cw)
-            (loss, lse), vjp = jax.vjp(lambda x, W, b: f(x, W, b, y, cw), arr(p.x), arr(p.W), arr(p.b))
-            grads = vjp((jnp.asarray(g_out, jnp.float32), jnp.zeros(p.y.shape, jnp.float32) if g_lse is None
-                         else jnp.asarray(g_lse, jnp.float32)))
-            ref = reference(p, options, g_out, g_lse)
-            tol = tolerance(dtype, p.logit_scale)
-            for name, value, want in (("loss", loss, ref.loss), ("lse", lse, ref.lse), ("grad_x", grads[0], ref.grad_input),
-                                      ("grad_W", grads[1], ref.grad_weight), ("grad_b", grads[2], ref.grad_bias)):
-                if want is not None:
-                    got = np.asarray(value.astype(jnp.float32), np.float64)
-                    assert rel_err(got, want) <= tol, (key, dtype, name)
+    for key, _, p, options, (g_out, g_lse) in jax_cases(dtype, (strategy,)):
+        lead = (None,) * (p.x.ndim - 1)
+        local = lambda x, W, b, y, cw: jax_impl.linear_cross_entropy(
+            x, W, y, linear_bias=b, weight=cw, weight_layout=p.weight_layout, strategy=strategy, tuning=SMALL,
+            vocab_parallel="tp", return_lse=True, **options)
+        w_spec = P("tp", None) if p.weight_layout == "VD" else P(None, "tp")
+        f = jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, None), w_spec, None if p.b is None else P("tp"),
+                                                      P(*lead), None if p.cw is None else P()),
+                          out_specs=(P(*lead) if options.get("reduction") == "none" else P(), P(*lead)))
+        arr = lambda a: None if a is None else jnp.asarray(a)
+        y, cw = jnp.asarray(p.y.astype(np.int32)), arr(p.cw)
+        (loss, lse), vjp = jax.vjp(lambda x, W, b: f(x, W, b, y, cw), arr(p.x), arr(p.W), arr(p.b))
+        grads = vjp((jnp.asarray(g_out, jnp.float32), jnp.zeros(p.y.shape, jnp.float32) if g_lse is None
+                     else jnp.asarray(g_lse, jnp.float32)))
+        ref = reference(p, options, g_out, g_lse)
+        tol = tolerance(dtype, p.logit_scale)
+        for name, value, want in (("loss", loss, ref.loss), ("lse", lse, ref.lse), ("grad_x", grads[0], ref.grad_input),
+                                  ("grad_W", grads[1], ref.grad_weight), ("grad_b", grads[2], ref.grad_bias)):
+            if want is not None:
+                got = np.asarray(value.astype(jnp.float32), np.float64)
+                assert rel_err(got, want) <= tol, (key, dtype, name)
 
 
 def test_distributed_benchmark_runs_on_two_gloo_ranks(tmp_path):
