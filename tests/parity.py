@@ -11,7 +11,8 @@ interpreters. On a GPU, one command runs it at larger shapes and writes a report
 
     python -m tests.parity --device cuda --out bench/results/parity_cuda
 
-(parity.json with every error, parity.md with the worst per case; exit status 1 on a failure).
+(parity.json with every error, parity.md with the worst per case, both rewritten after each
+case; `--resume` runs only the cases a cut run left; exit status 1 on a failure).
 """
 
 from __future__ import annotations
@@ -119,6 +120,17 @@ def environment(device: str) -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__}
 
 
+def write_report(out: str, env: dict, args, results: list[dict]) -> None:
+    """parity.json (every error) and parity.md (the worst per case) in the folder `out`."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "parity.json"), "w") as f:
+        json.dump({"environment": env, "shape": [args.rows, args.hidden, args.vocab], "results": results}, f, indent=1)
+    with open(os.path.join(out, "parity.md"), "w") as f:
+        f.write(f"Parity suite on {env['device']} ({env['date']}; torch {env['torch']}, jax {env['jax']}), "
+                f"N={args.rows}, D={args.hidden}, V={args.vocab}: worst relative errors per case.\n\n")
+        f.write(markdown(results))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.parity", description="The parity suite, with a report.")
     parser.add_argument("--device", default="cuda")
@@ -126,22 +138,27 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--hidden", type=int, default=257)
     parser.add_argument("--vocab", type=int, default=5003)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cases of the folder's parity.json (same shape and device) and run the others")
     args = parser.parse_args(argv)
-    results = []
+    env = environment(args.device)
+    results, path = [], os.path.join(args.out, "parity.json")
+    if args.resume and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("shape") == [args.rows, args.hidden, args.vocab] and old["environment"]["device"] == env["device"]:
+            results = old["results"]
+    done = {(r["case"], r["dtype"], r["strategy"]) for r in results}
     for case in CASES:
         for dtype in ("bfloat16", "float16", "float32"):
             for strategy in STRATEGIES:
+                if (case, dtype, strategy) in done:
+                    continue
                 r = run_case(case, dtype, strategy, args.device, (args.rows,), args.hidden, args.vocab)
                 print(f"{case:>24} {dtype:>9} {strategy:>8} {'FAILED ' + ', '.join(r['failed']) if r['failed'] else 'ok'}", flush=True)
                 results.append(r)
-    os.makedirs(args.out, exist_ok=True)
-    env = environment(args.device)
-    with open(os.path.join(args.out, "parity.json"), "w") as f:
-        json.dump({"environment": env, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, "parity.md"), "w") as f:
-        f.write(f"Parity suite on {env['device']} ({env['date']}; torch {env['torch']}, jax {env['jax']}), "
-                f"N={args.rows}, D={args.hidden}, V={args.vocab}: worst relative errors per case.\n\n")
-        f.write(markdown(results))
+                # Rewritten after every case, so that a run cut short keeps what it finished.
+                write_report(args.out, env, args, results)
     failures = sum(bool(r["failed"]) for r in results)
     print(f"{len(results) - failures} passed, {failures} failed")
     return 1 if failures else 0
