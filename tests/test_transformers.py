@@ -94,6 +94,53 @@ def test_loss_and_gradients_match_the_original(name, num_items_in_batch):
     assert_same_training_step(reference, patched, **make_batch(), num_items_in_batch=num_items_in_batch)
 
 
+def _fsdp2_worker(rank: int, world: int, port: int) -> None:
+    """One gloo rank of `test_fsdp2_training_step_matches_the_original`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        # each rank its own row of the batch; the global count of valid targets
+        batch = {k: v[rank:rank + 1] for k, v in make_batch().items()}
+        count = torch.tensor(int((make_batch()["labels"][:, 1:] != -100).sum()))
+        for name in ("LlamaForCausalLM", "Gemma2ForCausalLM"):  # untied head; tied head with a softcap
+            for head_apart in (False, True):
+                steps = []
+                for patch in (False, True):
+                    model = make_model(name)
+                    if patch:
+                        patch_causal_lm(model)
+                    for layer in model.model.layers:  # as transformers' FSDP plan wraps a model
+                        fully_shard(layer, mesh=mesh)
+                    if head_apart and model.lm_head.weight is not model.model.embed_tokens.weight:
+                        fully_shard(model.lm_head, mesh=mesh)  # a DTensor head its forward never gathers
+                    fully_shard(model, mesh=mesh)
+                    out, grads = train_step(model, **batch, num_items_in_batch=count)
+                    steps.append((out, {k: None if g is None else g.full_tensor() for k, g in grads.items()}))
+                assert_same_step(*steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_training_step_matches_the_original():
+    """Under FSDP2 (`fully_shard` per decoder layer and on the model, the head in the root's
+    group or sharded on its own, so the fused loss meets it as a DTensor), on 2 gloo ranks
+    with different rows: the patched model's loss and every gradient equal the original's
+    under the same sharding (untied Llama, tied Gemma 2 with its softcap)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_fsdp2_worker, args=(2, port), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("name", SOFTCAPPED)
 def test_the_softcap_is_passed(name, monkeypatch):
     reference = make_model(name)

@@ -44,6 +44,10 @@ trained copy, or the original when adapters are disabled or none is active). Any
 head (a LoRA-wrapped ``lm_head``, say, whose adapter's term would be left out) raises
 TypeError naming the model class, the head's type and what to do (merge the adapter).
 
+Under FSDP2 (``fully_shard``) the head is a plain tensor when its group is the root's, whose
+forward has gathered it; a head sharded on its own is met as a DTensor and gathered once per
+call, its gradient reduce-scattered as FSDP2 reduces its other parameters'.
+
 Covered families: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text,
 ``Gemma3ForCausalLM``) and Phi-3, those of them that the installed transformers has
 (``SUPPORTED_MODELS`` lists their classes); a subclass that does not override ``forward``
