@@ -61,6 +61,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             got = adapter.run(local, {**options, "vocab_parallel": group}, g_out, g_lse)
             for key, value in got.items():
                 results[f"{case}|{strategy}|{dtype}|{layout}|{key}"] = value
+        results.update(_topk_results(rank, world, group))
         if world == 2:
             results.update(_dtensor_results(world))
             results.update(_gathered_head_results(rank, world))
@@ -69,6 +70,31 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()  # no rank tears its group down while another still uses it
     finally:
         dist.destroy_process_group()
+
+
+def _topk_cases(world: int):
+    """(name, strategy) of the top-K distillation cases with a split head."""
+    from tests.distill_frameworks import TOPK_CASES
+
+    for name in TOPK_CASES:
+        for strategy in SPLITS[world][1]:
+            yield name, strategy
+
+
+def _topk_results(rank: int, world: int, group) -> dict:
+    """`linear_topk_distillation` with this rank's slice of the head (and bias) and every
+    rank's teacher ids (global), for each top-K case (float32, every strategy)."""
+    from tests.distill_frameworks import case_inputs, run
+
+    first, size = sum(SPLITS[world][0][:rank]), SPLITS[world][0][rank]
+    results = {}
+    for name, strategy in _topk_cases(world):
+        p, options, g, count, _ = case_inputs("topk", name, "float32")
+        axis = 0 if p.weight_layout == "VD" else 1
+        local = p.__class__(**{**p.__dict__, "W": _slice(p.W, first, size, axis), "b": _slice(p.b, first, size, 0)})
+        got = run("torch", strategy, local, {**options, "vocab_parallel": group}, g, count, tuning=SMALL)
+        results.update({f"topk|{name}|{strategy}|{key}": value for key, value in got.items()})
+    return results
 
 
 def _dtensor_results(world: int) -> dict:
@@ -178,6 +204,33 @@ def test_vocab_parallel_matches_reference(sharded_results):
         if p.b is not None:
             grad_b = np.concatenate([got(r, "grad_b") for r in range(world)])
             assert rel_err(grad_b, ref.grad_bias) <= tol, name
+
+
+def test_topk_distillation_with_a_split_head_matches_reference(sharded_results):
+    """The top-K distillation loss with the head split over 2 or 4 ranks (uneven slices;
+    teacher ids, duplicates and padding spread over the slices; hard labels, a bias, a
+    softcap, a tail bucket, 3-d rows, the "DV" layout): the loss and grad_input on every
+    rank, and the ranks' slices of grad_weight and grad_bias, equal the float64 reference."""
+    from tests.distill_frameworks import case_inputs, errors
+
+    from tests.distill_frameworks import reference as distill_reference
+
+    world, ranks = sharded_results
+    sizes = SPLITS[world][0]
+    for name, strategy in _topk_cases(world):
+        p, options, g, count, scale = case_inputs("topk", name, "float32")
+        ref = distill_reference(p, options, g, count)
+        tol, where = tolerance("float32", scale), f"{world} ranks, {name}, {strategy}"
+        got = lambda r, key: ranks[r][f"topk|{name}|{strategy}|{key}"]
+        axis = 0 if p.weight_layout == "VD" else 1
+        assert [got(r, "grad_W").shape[axis] for r in range(world)] == list(sizes), where
+        for r in range(world):
+            whole = {"loss": got(r, "loss"), "grad_x": got(r, "grad_x"),
+                     "grad_W": np.concatenate([got(q, "grad_W") for q in range(world)], axis=axis)}
+            if p.b is not None:
+                whole["grad_b"] = np.concatenate([got(q, "grad_b") for q in range(world)])
+            for key, err in errors(whole, ref).items():
+                assert err <= tol, f"{where}, rank {r}, {key}: relative error {err:.3g} > {tol:.3g}"
 
 
 def test_dtensor_head_sharded_on_the_vocabulary(sharded_results):
@@ -461,6 +514,19 @@ for strategy in ("speed", "memory"):
                     one = local.lower(jnp.asarray(x[: N // 2]), jnp.asarray(W[: V // 2])).compile().memory_analysis()
                     if temp > 1.5 * one.temp_size_in_bytes + 4096:
                         bad.append((key, "per-device temp bytes", temp, "vs one device's local problem", one.temp_size_in_bytes))
+# Rows that don't divide over "dp" (a sharding XLA would pad): every device computes every
+# row, and the numbers stay the reference's.
+xo, yo = x[: N - 1], y[: N - 1]
+for strategy in ("speed", "memory"):
+    def uneven(x_, W_):
+        x_ = jax.lax.with_sharding_constraint(x_, NamedSharding(mesh, P("dp", None)))
+        return jax_impl.linear_cross_entropy(x_, W_, jnp.asarray(yo), strategy=strategy, tuning=SMALL)
+
+    loss, grads = jax.jit(jax.value_and_grad(uneven, argnums=(0, 1)))(jnp.asarray(xo), put(W_VD, "tp", None))
+    ref = linear_cross_entropy_reference(xo, W_VD, yo)
+    errs = [err(loss, ref.loss), err(grads[0], ref.grad_input), err(grads[1], ref.grad_weight)]
+    if max(errs) > 1e-5:
+        bad.append((f"{strategy}|uneven rows", errs))
 print("BAD", bad)
 print("done" if not bad else "failed")
 """
@@ -472,7 +538,8 @@ def test_jax_jit_partitions_sharded_operands_instead_of_gathering(tmp_path):
     strategies (interpret mode), both layouts, every reduction and option: loss and every
     gradient equal the float64 reference, grad_input keeps the rows' sharding, the compiled
     program gathers nothing the size of x and holds no N x V array, and its temporaries per
-    device stay within 1.5x those of one device's local problem."""
+    device stay within 1.5x those of one device's local problem. Rows that don't divide over
+    the mesh give the reference's numbers too (computed on every device)."""
     import subprocess
     import sys
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
 from torch_impl.blocks import HeadBlocks, final_grad
+from torch_impl.stepped import combine_stats
 from torch_impl.steps import plan_steps
 from torch_impl.autograd import first_order_only
 from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
@@ -44,38 +46,46 @@ SECOND_ORDER_MESSAGE = "logitless: the distillation losses give first-order grad
 
 
 def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistillationOptions, layout, plan, ops,
-                 num_items, grads_now=(False, False, False), active=None):
+                 num_items, grads_now=(False, False, False), active=None, group=None):
     """(loss, saved, grads): saved = (lse_T, lse_1, s_ids, s_y) per row for the backward
     pass; grads = (dx, dW, db) for an upstream gradient of 1 if any of grads_now is set.
     y_N: int64, -1 where there is no (valid, in-range) target. active: int64 [A], the only
     rows of x computed (HeadBlocks), or None; the teacher, y_N, valid_N, the losses and
-    saved are then over those A rows, dx over all of x's."""
+    saved are then over those A rows, dx over all of x's. group: the process group of a
+    head split over the vocabulary, W this rank's classes; teacher.ids and y_N are then
+    this rank's columns (-1 for the others'), and the statistics are combined over the
+    ranks before the row terms (no gradients in the forward pass)."""
     blocks = _head(x_ND, W, b_V, layout, plan, ops, active=active)
     n, dev, K = blocks.n_rows, x_ND.device, teacher.ids.shape[1]
     wide = compute_dtype(x_ND.dtype)
     two = o.weight_hard > 0 and o.temperature != 1.0
-    lse_T, lse_1, s_y = (torch.empty(n, dtype=wide, device=dev) for _ in range(3))
-    s_ids = torch.empty(n, K, dtype=wide, device=dev)
+    m, l, s_y = _running(n, wide, dev)
+    m1, l1, sy1 = _running(n, wide, dev)
+    lse_T, lse_1 = torch.empty(n, dtype=wide, device=dev), torch.empty(n, dtype=wide, device=dev)
+    s_ids = torch.zeros(n, K, dtype=wide, device=dev)
     loss = torch.empty(n, dtype=wide, device=dev)
     in_forward = any(grads_now)
-    assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
+    assert not in_forward or (blocks.whole_rows and group is None), "gradients in the forward pass need whole rows"
     dx, _, dW, db = blocks.gradient_buffers(*grads_now)
     r_N = row_weights(valid_N, o.reduction, torch.ones((), device=dev), num_items, wide) if in_forward else None
+
+    def row_terms(rs):
+        """The rows' losses into `loss` from lse_T, lse_1, s_ids and s_y; their (A, C)."""
+        loss[rs], A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], s_y[rs], teacher, rs, o)
+        return A, C
+
     for rs in blocks.row_blocks():
-        R = rs.stop - rs.start
-        m, l, sy = _running(R, wide, dev)
-        m1, l1, sy1 = _running(R, wide, dev)
-        s_ids[rs] = 0
         for v0, cols in blocks.col_blocks():
             z = blocks.logits(rs, v0, cols)
-            ops.stats_(z, v0, b_V, y_N[rs], m, l, sy, o.softcap, 1.0 / o.temperature)
+            ops.stats_(z, v0, b_V, y_N[rs], m[rs], l[rs], s_y[rs], o.softcap, 1.0 / o.temperature)
             if two:
-                ops.stats_(z, v0, b_V, y_N[rs], m1, l1, sy1, o.softcap, 1.0)
+                ops.stats_(z, v0, b_V, y_N[rs], m1[rs], l1[rs], sy1[rs], o.softcap, 1.0)
             s_ids[rs] += gather_entries(z, v0, teacher.ids[rs], b_V, o.softcap, wide)
-        lse_T[rs] = m + torch.log(l)
-        lse_1[rs] = m1 + torch.log(l1) if two else lse_T[rs]
-        s_y[rs] = sy
-        loss[rs], A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], sy, teacher, rs, o)
+        if group is not None:  # the row terms need every rank's statistics
+            continue
+        lse_T[rs] = m[rs] + torch.log(l[rs])
+        lse_1[rs] = m1[rs] + torch.log(l1[rs]) if two else lse_T[rs]
+        A, C = row_terms(rs)
         if in_forward:
             g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
             dz = ops.grad(z, 0, b_V, y_N[rs], o.softcap, 1.0 / o.temperature, lse_T[rs], g.p1, g.ty, g.second)
@@ -84,29 +94,40 @@ def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistil
             blocks.add_grads(dz, rs, 0, blocks.vocab, dx_R, dW, db)
             if dx_R is not None:
                 blocks.scatter_dx_rows(dx, rs, dx_R)
+    if group is not None:
+        lses, (s_y, s_ids) = combine_stats([(m, l), (m1, l1)] if two else [(m, l)], [s_y, s_ids], group)
+        lse_T, lse_1 = lses[0], lses[-1]
+        row_terms(slice(0, n))
     total = reduce_rows(loss, valid_N, o.reduction, num_items)
     z = dz = blocks = None  # the logits buffer goes before dW's conversion allocates its result
     return total, (lse_T, lse_1, s_ids, s_y), (dx, final_grad(dW, W), final_grad(db, b_V))
 
 
 def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
-                  need=(True, True, True), active=None):
+                  need=(True, True, True), active=None, group=None):
     """(dx, dW, db) recomputing the logits block by block; None where not needed; active
-    as for topk_forward."""
+    and group as for topk_forward (with a group, grad_input is summed over the ranks in
+    fp32, then rounded once)."""
     blocks = _head(x_ND, W, b_V, layout, plan, ops, active=active)
     lse_T, lse_1, s_ids, s_y = saved
     r_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_T.dtype)
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
+    if group is not None and dx is not None:
+        dx, dx_acc = torch.zeros(x_ND.shape, dtype=lse_T.dtype, device=x_ND.device), None
     for rs in blocks.row_blocks():
         _, A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], s_y[rs], teacher, rs, o)
         g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
-        dx_out = _dx_out(blocks, dx, dx_acc, rs)
+        dx_out = dx[rs] if group is not None and dx is not None else _dx_out(blocks, dx, dx_acc, rs)
         for v0, cols in blocks.col_blocks():
             dz = ops.grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], o.softcap, 1.0 / o.temperature, lse_T[rs],
                           g.p1, g.ty, g.second)
             ops.put_(dz, v0, teacher.ids[rs], g.at_ids)
-            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
-        _store_dx(blocks, dx, dx_acc, dx_out, rs)
+            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None or group is not None)
+        if group is None:
+            _store_dx(blocks, dx, dx_acc, dx_out, rs)
+    if group is not None and dx is not None:
+        dist.all_reduce(dx, group=group)  # every rank's classes' share of each row's gradient
+        dx = dx.to(x_ND.dtype)
     dz = blocks = dx_acc = None
     return dx, final_grad(dW, W), final_grad(db, b_V)
 
@@ -134,17 +155,18 @@ class TopKDistillation(torch.autograd.Function):
     """Over flattened rows: x [N, D], W, b [V] or None; returns the reduced loss (fp32, or
     fp64 for fp64 inputs). Non-tensor arguments: the teacher (TopKTeacher), y [N] int64 (-1:
     none), valid [N], options, layout, plan, ops, num_items (None, a number or a 0-d tensor),
-    active (int64 [A] or None: the only rows computed; the teacher, y and valid then [A])."""
+    active (int64 [A] or None: the only rows computed; the teacher, y and valid then [A]),
+    group (a head split over the vocabulary: `topk_forward`)."""
 
     @staticmethod
-    def forward(ctx, x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items, active):
+    def forward(ctx, x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, group):
         need = ctx.needs_input_grad[:3]
         vocab = W.shape[0] if layout == "VD" else W.shape[1]
-        in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
+        in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none" and group is None
         loss, saved, grads = topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items,
-                                          need if in_forward else (False, False, False), active)
+                                          need if in_forward else (False, False, False), active, group)
         ctx.grads = grads if in_forward else None
-        ctx.args = (teacher, y_N, valid_N, o, layout, plan, ops, num_items, active)
+        ctx.args = (teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, group)
         ctx.save_for_backward(x_ND, W, b_V, *saved)
         ctx.set_materialize_grads(False)
         return loss
@@ -155,16 +177,16 @@ class TopKDistillation(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_loss):
-        none = (None,) * 9
+        none = (None,) * 10
         if grad_loss is None:
             return (None, None, None) + none
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
             return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
         x_ND, W, b_V, *saved = ctx.saved_tensors
-        teacher, y_N, valid_N, o, layout, plan, ops, num_items, active = ctx.args
+        teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, group = ctx.args
         grads = topk_backward(grad_loss, x_ND, W, b_V, teacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
-                              ctx.needs_input_grad[:3], active)
+                              ctx.needs_input_grad[:3], active, group)
         return tuple(grads) + none
 
 

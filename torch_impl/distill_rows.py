@@ -3,9 +3,12 @@ what is O(N) or O(N K), shared by the kernel path and the fallback."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from interop.distillation import TopKDistillationOptions
+from torch_impl.stepped import local_targets
 
 
 def valid_rows(n_rows: int, target_N, row_mask_N, ignore_index: int, device) -> torch.Tensor:
@@ -56,6 +59,14 @@ class TopKTeacher:
         new_run = torch.ones_like(sorted_ids, dtype=torch.bool)
         new_run[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
         self.slot = torch.empty_like(perm).scatter_(1, perm, torch.cumsum(new_run, dim=1) - 1)
+
+    def columns_of(self, first: int, local_vocab: int) -> "TopKTeacher":
+        """The same teacher with ids as the columns of a head's slice [first, first +
+        local_vocab) of the classes, -1 for ids outside it (a head split over the
+        vocabulary: each rank gathers and writes only its own classes)."""
+        local = copy.copy(self)
+        local.ids = local_targets(self.ids, first, local_vocab)
+        return local
 
 
 def gather_entries(z_RC, v0: int, ids_RK, b_V, softcap, dtype):

@@ -14,8 +14,9 @@ from torch_impl.arguments import check_tensors, dense, denominator
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation
 from torch_impl.steps import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
-from torch_impl.functional import choose_strategy, dtype_name, rows_to_compute
+from torch_impl.functional import choose_strategy, dtype_name, head_slice, rows_to_compute
 from torch_impl.rows import compute_dtype
+from torch_impl.stepped import local_targets
 
 
 def _name(t):
@@ -71,6 +72,7 @@ def linear_topk_distillation(
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
     tuning: Tuning | None = None,
+    vocab_parallel=None,
 ):
     """Distillation from a top-K sparse teacher, fused with the student's head.
 
@@ -89,6 +91,13 @@ def linear_topk_distillation(
         weight_hard, softcap: see interop.distillation.TopKDistillationOptions.
         reduction: "mean" (over valid rows, or over num_items_in_batch), "sum" or "none".
         strategy, accumulate_in_input_dtype, weight_layout, tuning: as for linear_cross_entropy.
+        vocab_parallel: a process group over which the head is split by vocabulary, as for
+            linear_cross_entropy: this rank's linear_weight (and linear_bias) hold its
+            contiguous slice of the classes; the other arguments, teacher ids (global) and
+            target included, are the same on every rank. Each rank gathers the teacher's
+            ids in its slice; the ranks exchange per-row statistics and the student's
+            logits at the K ids (never a row of V logits). The loss is global, grad_weight
+            this rank's slice, grad_input the full gradient (all-reduced).
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -102,14 +111,16 @@ def linear_topk_distillation(
     check_strategy(strategy)
     tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
-    shape = check_topk_inputs(
+    checked = lambda: check_topk_inputs(
         input_shape=tuple(input.shape), input_dtype=_name(input), weight_shape=tuple(linear_weight.shape),
         weight_dtype=_name(linear_weight), ids_shape=tuple(teacher_ids.shape), ids_dtype=_name(teacher_ids),
         logprobs_shape=tuple(teacher_logprobs.shape), logprobs_dtype=_name(teacher_logprobs),
         target_shape=_shape(target), target_dtype=_name(target), bias_shape=_shape(linear_bias),
         bias_dtype=_name(linear_bias), row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask),
         weight_layout=weight_layout, weight_hard=o.weight_hard)
-    n, V, dev = shape.n_rows, shape.vocab, input.device
+    first, V = (0, None) if vocab_parallel is None else head_slice(vocab_parallel, checked, input.device)
+    shape = checked()
+    n, V, dev = shape.n_rows, V or shape.vocab, input.device
     ids = dense(teacher_ids.reshape(n, shape.k).to(torch.int64))
     if bool((ids >= V).any()):
         raise ValueError(teacher_id_out_of_range_message(int(ids[ids >= V][0]), V))
@@ -125,15 +136,17 @@ def linear_topk_distillation(
     logprobs = dense(teacher_logprobs.reshape(n, shape.k))
     linear_bias = dense(linear_bias)
     wide = compute_dtype(input.dtype)
-    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, V, tuning)
-    rows = _valid_rows_only(tuning, strategy, valid, shape.hidden, V)
+    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, shape.vocab, tuning)
+    rows = None if vocab_parallel is not None else _valid_rows_only(tuning, strategy, valid, shape.hidden, V)
     if rows is not None:  # the rows left out contribute nothing: the kernels compute only the others
         ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (ids, logprobs, y_kernel, valid))
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
-    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, V, input.dtype, accumulate_in_input_dtype,
-                                  gathered_rows=rows is not None)
+    if vocab_parallel is not None:  # this rank's columns: the ids and target in its slice of the classes
+        teacher, y_kernel = teacher.columns_of(first, shape.vocab), local_targets(y_kernel, first, shape.vocab)
+    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, shape.vocab, input.dtype,
+                           accumulate_in_input_dtype, gathered_rows=rows is not None)
     loss = TopKDistillation.apply(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, o, weight_layout, plan, ops,
-                                  denominator(num_items_in_batch, wide, dev), rows)
+                                  denominator(num_items_in_batch, wide, dev), rows, vocab_parallel)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 
 

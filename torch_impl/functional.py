@@ -46,7 +46,7 @@ def rows_to_compute(keep_N: torch.Tensor) -> torch.Tensor | None:
     return active if 0 < active.shape[0] < keep_N.shape[0] else None
 
 
-def _vocab_slice(group, check_local, device) -> tuple[int, int]:
+def head_slice(group, check_local, device) -> tuple[int, int]:
     """(this rank's first class, V of the whole head) of a head split over `group`, after
     every rank's own checks (`check_local`: the ProblemShape of this rank's arguments, or
     their error), which every rank learns of (`torch_impl.vocab_parallel.vocab_slice`)."""
@@ -190,7 +190,7 @@ def linear_cross_entropy(
         weight_layout=weight_layout,
         classes=classes,
     )
-    first, classes = (0, None) if vocab_parallel is None else _vocab_slice(vocab_parallel, lambda: checked(None, None),
+    first, classes = (0, None) if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked(None, None),
                                                                                    input.device)
     shape = checked(weight, classes)
     x_ND = input.reshape(shape.n_rows, shape.hidden)

@@ -12,7 +12,7 @@ them into dz with a "grad" step (interop/SPEC.md).
   ``create_graph=True``: the fallback alone has second-order derivatives.
 - With a process group, this rank holds the classes [first, first + V_r) of a head split
   over the vocabulary (`torch_impl.vocab_parallel`): the ranks combine their statistics in
-  the forward pass (`_combine`) and sum grad_input in the backward pass, on either steps.
+  the forward pass (`combine_stats`) and sum grad_input in the backward pass, on either steps.
 """
 
 from __future__ import annotations
@@ -29,28 +29,36 @@ from torch_impl.steps import TorchOps
 SECOND_ORDER_MESSAGE = "logitless: a head split over the vocabulary gives first-order gradients only"
 
 
-def _local_targets(y_N, first: int, local_vocab: int):
-    """Targets as this rank's column indices: y - first where y is one of its classes, else
-    -1 (no column: the target terms of other ranks' classes are theirs)."""
+def local_targets(y_N, first: int, local_vocab: int):
+    """Targets (or teacher ids) as this rank's column indices: y - first where y is one of
+    its classes, else -1 (no column: the terms of other ranks' classes are theirs)."""
     mine = (y_N >= first) & (y_N < first + local_vocab)
     return torch.where(mine, y_N - first, torch.full_like(y_N, -1))
 
 
-def _combine(m, l, sy, ws, group):
-    """(lse, s_y, ws) [N] over all ranks' classes from each rank's running (m, l), target
-    logit and class-weighted sum: one all-reduce MAX of m, one SUM of the rest (none without
-    a group). lse is NaN where any rank saw a NaN logit (a MAX all-reduce need not keep NaN)."""
+def combine_stats(running, sums, group):
+    """([lse [N] of each running (m, l) pair], [each tensor of `sums` summed]) over all
+    ranks' classes: one all-reduce MAX of the m's, one SUM of the rest (nothing without a
+    group). lse is NaN where any rank saw a NaN logit (a MAX all-reduce need not keep NaN)."""
     if group is None:
-        return m + torch.log(l), sy, ws
+        return [m + torch.log(l) for m, l in running], list(sums)
+    m = torch.stack([m for m, _ in running])
+    l = torch.stack([l for _, l in running])
     m_all = m.clone()
     dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
     finite = torch.isfinite(m_all)
     shift = torch.where(finite, m_all, torch.zeros_like(m_all))
     scaled = torch.where(m == -torch.inf, torch.zeros_like(l), l * torch.exp(m - shift))
-    sums = torch.stack([scaled, torch.isnan(m).to(l.dtype), sy, ws])
-    dist.all_reduce(sums, group=group)
-    lse = torch.where(finite, shift + torch.log(sums[0]), m_all)
-    return torch.where(sums[1] > 0, torch.full_like(lse, torch.nan), lse), sums[2], sums[3]
+    flat = torch.cat([scaled.flatten(), torch.isnan(m).to(l.dtype).flatten(), *(t.flatten() for t in sums)])
+    dist.all_reduce(flat, group=group)
+    k = m.numel()
+    lse = torch.where(finite, shift + torch.log(flat[:k].view_as(m)), m_all)
+    lse = torch.where(flat[k : 2 * k].view_as(m) > 0, torch.full_like(lse, torch.nan), lse)
+    parts, start = [], 2 * k
+    for t in sums:
+        parts.append(flat[start : start + t.numel()].view_as(t))
+        start += t.numel()
+    return list(lse.unbind(0)), parts
 
 
 class SteppedLinearCrossEntropy(torch.autograd.Function):
@@ -67,7 +75,7 @@ class SteppedLinearCrossEntropy(torch.autograd.Function):
         local_vocab, n, dev = blocks.vocab, x_ND.shape[0], x_ND.device
         cw = None if cw_V is None else cw_V.to(wide)
         cw_local = None if cw is None else cw[first : first + local_vocab]
-        y_local = _local_targets(y_N, first, local_vocab)
+        y_local = local_targets(y_N, first, local_vocab)
         m = torch.full((n,), -torch.inf, dtype=wide, device=dev)
         l, sy, ws = (torch.zeros(n, dtype=wide, device=dev) for _ in range(3))
         need_ws = opts.label_smoothing > 0
@@ -76,7 +84,7 @@ class SteppedLinearCrossEntropy(torch.autograd.Function):
                 ops.stats_(blocks.logits(rs, v0, cols), v0, b_V, y_local[rs], m[rs], l[rs], sy[rs], opts.softcap, 1.0,
                            cw_local, ws[rs] if need_ws else None)
         blocks = None
-        lse, sy, ws = _combine(m, l, sy, ws, group)
+        (lse,), (sy, ws) = combine_stats([(m, l)], [sy, ws], group)
         rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
         cw_sum = vocab if cw is None else cw.sum()
         loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
@@ -103,7 +111,7 @@ class SteppedLinearCrossEntropy(torch.autograd.Function):
         wide = lse.dtype
         blocks = HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=wide if ops is TorchOps else None)
         cw_local = None if cw is None else cw[first : first + blocks.vocab]
-        y_local = _local_targets(y_N, first, blocks.vocab)
+        y_local = local_targets(y_N, first, blocks.vocab)
         rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
         if grad_loss is None:
             grad_loss = torch.zeros((), dtype=wide, device=lse.device)
