@@ -62,8 +62,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             for key, value in got.items():
                 results[f"{case}|{strategy}|{dtype}|{layout}|{key}"] = value
         results.update(_topk_results(rank, world, group))
+        results.update(_sequence_parallel_results(rank, world, group))
         if world == 2:
             results.update(_dtensor_results(world))
+            results.update(_dtensor_sequence_results(world))
             results.update(_gathered_head_results(rank, world))
             results.update(_edge_results(rank, group))
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
@@ -72,28 +74,63 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _sequence_parallel_cases(strategies, dtypes):
+    """(case, strategy, dtype, problem, upstream gradients): rows of 12 (or 4 x 6) that the
+    ranks split along the input's first dimension."""
+    for case, (options, problem_kwargs, with_lse) in CASES.items():
+        for strategy in strategies:
+            for dtype in dtypes:
+                seed = seed_of("sequence-parallel", case, dtype)
+                p = make_problem(seed, dtype=dtype, **{**problem_kwargs, "lead": (4, 6) if "lead" in problem_kwargs
+                                                       else (12,)})
+                yield case, strategy, dtype, p, upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+
+
+def _sequence_parallel_results(rank: int, world: int, group) -> dict:
+    """`sequence_parallel=True`: this rank's part of the rows and its slice of the head."""
+    import torch_impl
+    from tests.frameworks import torch_outputs
+
+    first, size = sum(SPLITS[world][0][:rank]), SPLITS[world][0][rank]
+    results = {}
+    for case, strategy, dtype, p, (g_out, g_lse) in _sequence_parallel_cases(*SPLITS[world][1:]):
+        options = CASES[case][0]
+        adapter = TorchAdapter(strategy, tuning=SMALL)
+        x = adapter.tensor(np.split(p.x, world)[rank], dtype, requires_grad=True)
+        W = adapter.tensor(_slice(p.W, first, size, 0), dtype, requires_grad=True)
+        b = None if p.b is None else adapter.tensor(_slice(p.b, first, size, 0), dtype, requires_grad=True)
+        cw = None if p.cw is None else adapter.tensor(p.cw)
+        loss, lse = torch_impl.linear_cross_entropy(x, W, adapter.tensor(p.y), linear_bias=b, weight=cw, return_lse=True,
+                                                    strategy=strategy, tuning=SMALL, vocab_parallel=group,
+                                                    sequence_parallel=True, **options)
+        got = torch_outputs(loss, lse, {"x": x, "W": W, "b": b}, g_out, g_lse if g_lse is not None else 0 * p.y)
+        results.update({f"sp|{case}|{strategy}|{dtype}|{key}": value for key, value in got.items()})
+    return results
+
+
 def _topk_cases(world: int):
-    """(name, strategy) of the top-K distillation cases with a split head."""
+    """(name, strategy, dtype) of the top-K distillation cases with a split head."""
     from tests.distill_frameworks import TOPK_CASES
 
     for name in TOPK_CASES:
         for strategy in SPLITS[world][1]:
-            yield name, strategy
+            for dtype in SPLITS[world][2]:
+                yield name, strategy, dtype
 
 
 def _topk_results(rank: int, world: int, group) -> dict:
     """`linear_topk_distillation` with this rank's slice of the head (and bias) and every
-    rank's teacher ids (global), for each top-K case (float32, every strategy)."""
+    rank's teacher ids (global), for each top-K case, strategy and dtype."""
     from tests.distill_frameworks import case_inputs, run
 
     first, size = sum(SPLITS[world][0][:rank]), SPLITS[world][0][rank]
     results = {}
-    for name, strategy in _topk_cases(world):
-        p, options, g, count, _ = case_inputs("topk", name, "float32")
+    for name, strategy, dtype in _topk_cases(world):
+        p, options, g, count, _ = case_inputs("topk", name, dtype)
         axis = 0 if p.weight_layout == "VD" else 1
         local = p.__class__(**{**p.__dict__, "W": _slice(p.W, first, size, axis), "b": _slice(p.b, first, size, 0)})
         got = run("torch", strategy, local, {**options, "vocab_parallel": group}, g, count, tuning=SMALL)
-        results.update({f"topk|{name}|{strategy}|{key}": value for key, value in got.items()})
+        results.update({f"topk|{name}|{strategy}|{dtype}|{key}": value for key, value in got.items()})
     return results
 
 
@@ -125,6 +162,28 @@ def _dtensor_results(world: int) -> dict:
             "dtensor|grad_W": W.grad.full_tensor().double().numpy(), "dtensor|grad_b": b.grad.full_tensor().double().numpy()}
 
 
+def _dtensor_sequence_results(world: int) -> dict:
+    """A DTensor head Shard(0) with a DTensor input [B, S, D] sharded on its sequence
+    (Shard(1), torchtitan's hidden states under sequence parallel): the loss, and the input's
+    gradient keeping its Shard(1) placement."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import torch_impl
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = make_problem(seed_of("dtensor-sequence"), lead=(2, 8), dtype="float32", bias=True)
+    x = distribute_tensor(torch.tensor(p.x), mesh, [Shard(1)]).requires_grad_()
+    W = distribute_tensor(torch.tensor(p.W), mesh, [Shard(0)]).requires_grad_()
+    b = distribute_tensor(torch.tensor(p.b), mesh, [Shard(0)]).requires_grad_()
+    loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, strategy="memory", tuning=SMALL)
+    loss.backward()
+    assert x.grad.placements == (Shard(1),) and x.grad.to_local().shape == (2, 8 // world, p.x.shape[-1])
+    return {"dtensor-sp|loss": loss.detach().double().numpy(), "dtensor-sp|grad_x": x.grad.full_tensor().double().numpy(),
+            "dtensor-sp|grad_W": W.grad.full_tensor().double().numpy(),
+            "dtensor-sp|grad_b": b.grad.full_tensor().double().numpy()}
+
+
 def _gathered_head_results(rank: int, world: int) -> dict:
     """A DTensor head Shard(0) (as FSDP2 shards a parameter) with each rank's own rows as a
     plain tensor: the head gathered, its gradient averaged over the ranks as FSDP2's."""
@@ -147,29 +206,49 @@ def _gathered_head_results(rank: int, world: int) -> dict:
 
 def _edge_results(rank: int, group) -> dict:
     """A bad argument on one rank only raises on both (no rank left waiting in a
-    collective); a NaN in one rank's head makes every valid row's loss NaN on both ranks;
-    transposed, offset and expanded views give what their contiguous copies give."""
+    collective); a NaN in one rank's head, or a +inf logit in one rank's slice, makes every
+    valid row's loss NaN on both ranks, as in one process; transposed, offset and expanded
+    views give what their contiguous copies give (cross-entropy and top-K distillation)."""
     import torch_impl
 
-    x, y = torch.randn(6, 4), torch.tensor([0, 3, 5, 9, -100, 2])
-    W = torch.randn(5, 4)
+    gen = torch.Generator().manual_seed(5)  # the same values on both ranks
+    x, y = torch.randn(6, 4, generator=gen), torch.tensor([0, 3, 5, 9, -100, 2])
+    W = torch.randn(5, 4, generator=gen)
+    ids = torch.tensor([[0, 7, 2], [8, 1, -1], [4, 5, 6], [3, 3, 0], [6, 2, 1], [7, 8, 4]])
+    logprobs = torch.log_softmax(torch.randn(6, 3, generator=gen), -1)
     raised = "none"
     try:
         torch_impl.linear_cross_entropy(x, W, y, linear_bias=torch.zeros(5 if rank == 0 else 4), vocab_parallel=group)
     except ValueError as e:
         raised = str(e)
+    results = {"edge|raised": np.array(raised)}
+    inf_bias = torch.zeros(5)
+    if rank == 0:
+        inf_bias[1] = float("inf")
+    nan_head = W.clone()
     if rank == 1:
-        W[2, 1] = float("nan")
-    losses = torch_impl.linear_cross_entropy(x, W, y, reduction="none", vocab_parallel=group, strategy="speed",
-                                             tuning=SMALL)
-    views = dict(input=torch.randn(4, 7)[:, 1:].T, linear_weight=torch.randn(4, 5).T,
-                 linear_bias=torch.randn(1).expand(5), target=torch.tensor([[0, 3, 5, 9, -100, 2]] * 2)[1])
-    strided = {}
+        nan_head[2, 1] = float("nan")
+    for strategy in ("speed", "memory", "chunked"):
+        common = dict(reduction="none", vocab_parallel=group, strategy=strategy, tuning=SMALL)
+        results[f"edge|nan_loss|{strategy}"] = torch_impl.linear_cross_entropy(x, nan_head, y, **common).double().numpy()
+        results[f"edge|inf_loss|{strategy}"] = torch_impl.linear_cross_entropy(
+            x, W, y, linear_bias=inf_bias, **common).double().numpy()
+        results[f"edge|topk_nan_loss|{strategy}"] = torch_impl.linear_topk_distillation(
+            x, nan_head, ids, logprobs, target=y, **common).double().numpy()
+    views = dict(input=torch.randn(4, 7, generator=gen)[:, 1:].T, linear_weight=torch.randn(4, 5, generator=gen).T,
+                 linear_bias=torch.randn(1, generator=gen).expand(5), target=torch.tensor([[0, 3, 5, 9, -100, 2]] * 2)[1])
+    topk_views = dict(input=views["input"], linear_weight=views["linear_weight"], linear_bias=views["linear_bias"],
+                      teacher_ids=torch.cat([ids, ids]).T.contiguous().T[6:],
+                      teacher_logprobs=logprobs.T.contiguous().T, target=views["target"])
     for name, layouts in (("views", views), ("copies", {k: v.contiguous() for k, v in views.items()})):
         for strategy in ("speed", "memory", "chunked"):
-            strided[f"edge|{name}|{strategy}"] = torch_impl.linear_cross_entropy(
+            results[f"edge|{name}|{strategy}"] = torch_impl.linear_cross_entropy(
                 **layouts, vocab_parallel=group, strategy=strategy, tuning=SMALL).double().numpy()
-    return {"edge|raised": np.array(raised), "edge|nan_loss": losses.detach().double().numpy(), **strided}
+    for name, layouts in (("views", topk_views), ("copies", {k: v.contiguous() for k, v in topk_views.items()})):
+        for strategy in ("speed", "memory", "chunked"):
+            results[f"edge|topk_{name}|{strategy}"] = torch_impl.linear_topk_distillation(
+                **layouts, vocab_parallel=group, strategy=strategy, tuning=SMALL).double().numpy()
+    return results
 
 
 @pytest.fixture(scope="module", params=sorted(SPLITS))
@@ -206,22 +285,45 @@ def test_vocab_parallel_matches_reference(sharded_results):
             assert rel_err(grad_b, ref.grad_bias) <= tol, name
 
 
+def test_sequence_parallel_matches_reference(sharded_results):
+    """Each rank passes its part of the rows (split along the input's first dimension) with
+    its slice of the head: the loss and lse of the whole rows on every rank; the ranks' parts
+    of grad_input (reduce-scattered) and slices of grad_weight and grad_bias, put together,
+    equal the float64 reference."""
+    world, ranks = sharded_results
+    for case, strategy, dtype, p, (g_out, g_lse) in _sequence_parallel_cases(*SPLITS[world][1:]):
+        options, _, with_lse = CASES[case]
+        ref = reference(p, options, g_out, g_lse)
+        tol, where = tolerance(dtype, p.logit_scale), f"{world} ranks, {case}, {strategy}, {dtype}"
+        got = lambda r, key: ranks[r][f"sp|{case}|{strategy}|{dtype}|{key}"]
+        for r in range(world):
+            assert rel_err(got(r, "loss"), ref.loss) <= tol, where
+            assert rel_err(got(r, "lse"), ref.lse) <= tol, where
+            assert got(r, "grad_x").shape[0] == p.x.shape[0] // world, where
+        whole = lambda key: np.concatenate([got(r, key) for r in range(world)])
+        assert rel_err(whole("grad_x"), ref.grad_input) <= tol, where
+        assert rel_err(whole("grad_W"), ref.grad_weight) <= tol, where
+        if p.b is not None:
+            assert rel_err(whole("grad_b"), ref.grad_bias) <= tol, where
+
+
 def test_topk_distillation_with_a_split_head_matches_reference(sharded_results):
     """The top-K distillation loss with the head split over 2 or 4 ranks (uneven slices;
     teacher ids, duplicates and padding spread over the slices; hard labels, a bias, a
-    softcap, a tail bucket, 3-d rows, the "DV" layout): the loss and grad_input on every
-    rank, and the ranks' slices of grad_weight and grad_bias, equal the float64 reference."""
+    softcap, a tail bucket, 3-d rows, the "DV" layout; fp32, and bf16 on 2 ranks): the loss
+    and grad_input on every rank, and the ranks' slices of grad_weight and grad_bias, equal
+    the float64 reference."""
     from tests.distill_frameworks import case_inputs, errors
 
     from tests.distill_frameworks import reference as distill_reference
 
     world, ranks = sharded_results
     sizes = SPLITS[world][0]
-    for name, strategy in _topk_cases(world):
-        p, options, g, count, scale = case_inputs("topk", name, "float32")
+    for name, strategy, dtype in _topk_cases(world):
+        p, options, g, count, scale = case_inputs("topk", name, dtype)
         ref = distill_reference(p, options, g, count)
-        tol, where = tolerance("float32", scale), f"{world} ranks, {name}, {strategy}"
-        got = lambda r, key: ranks[r][f"topk|{name}|{strategy}|{key}"]
+        tol, where = tolerance(dtype, scale), f"{world} ranks, {name}, {strategy}, {dtype}"
+        got = lambda r, key: ranks[r][f"topk|{name}|{strategy}|{dtype}|{key}"]
         axis = 0 if p.weight_layout == "VD" else 1
         assert [got(r, "grad_W").shape[axis] for r in range(world)] == list(sizes), where
         for r in range(world):
@@ -233,29 +335,36 @@ def test_topk_distillation_with_a_split_head_matches_reference(sharded_results):
                 assert err <= tol, f"{where}, rank {r}, {key}: relative error {err:.3g} > {tol:.3g}"
 
 
-def test_dtensor_head_sharded_on_the_vocabulary(sharded_results):
+@pytest.mark.parametrize("form, lead", [("dtensor", (13,)), ("dtensor-sp", (2, 8))])
+def test_dtensor_head_sharded_on_the_vocabulary(sharded_results, form, lead):
+    """A DTensor input replicated ("dtensor") or sharded on its sequence ("dtensor-sp") with a
+    head sharded on its vocabulary: the reference's loss and gradients."""
     world, ranks = sharded_results
     if world != 2:
         pytest.skip("checked with 2 ranks")
-    p = make_problem(seed_of("dtensor"), dtype="float32", bias=True)
+    p = make_problem(seed_of("dtensor" if form == "dtensor" else "dtensor-sequence"), lead=lead, dtype="float32",
+                     bias=True)
     ref = reference(p, {}, 1.0, None)
     for r in range(world):
-        assert rel_err(ranks[r]["dtensor|loss"], ref.loss) <= 1e-5
-        assert rel_err(ranks[r]["dtensor|grad_x"], ref.grad_input) <= 1e-5
-        assert rel_err(ranks[r]["dtensor|grad_W"], ref.grad_weight) <= 1e-5
-        assert rel_err(ranks[r]["dtensor|grad_b"], ref.grad_bias) <= 1e-5
+        assert rel_err(ranks[r][f"{form}|loss"], ref.loss) <= 1e-5
+        assert rel_err(ranks[r][f"{form}|grad_x"], ref.grad_input) <= 1e-5
+        assert rel_err(ranks[r][f"{form}|grad_W"], ref.grad_weight) <= 1e-5
+        assert rel_err(ranks[r][f"{form}|grad_b"], ref.grad_bias) <= 1e-5
 
 
-def test_one_rank_bad_argument_nan_and_views(sharded_results):
+def test_one_rank_bad_argument_nan_inf_and_views(sharded_results):
     world, ranks = sharded_results
     if world != 2:
         pytest.skip("checked with 2 ranks")
     assert "linear_bias" in str(ranks[1]["edge|raised"]) and "rank(s) [1]" in str(ranks[0]["edge|raised"])
     for r in range(world):
-        loss = ranks[r]["edge|nan_loss"]
-        assert np.isnan(loss[[0, 1, 2, 3, 5]]).all() and loss[4] == 0
         for strategy in ("speed", "memory", "chunked"):
-            assert rel_err(ranks[r][f"edge|views|{strategy}"], ranks[r][f"edge|copies|{strategy}"]) <= 1e-6
+            for what in ("nan_loss", "inf_loss", "topk_nan_loss"):
+                loss = ranks[r][f"edge|{what}|{strategy}"]
+                assert np.isnan(loss[[0, 1, 2, 3, 5]]).all() and loss[4] == 0, (r, strategy, what, loss)
+            for what in ("", "topk_"):
+                views, copies = ranks[r][f"edge|{what}views|{strategy}"], ranks[r][f"edge|{what}copies|{strategy}"]
+                assert rel_err(views, copies) <= 1e-6, (r, strategy, what)
 
 
 def test_dtensor_head_of_rows_split_across_ranks_is_gathered(sharded_results):
@@ -321,6 +430,47 @@ def test_vocab_parallel_group_of_one_runs_the_cuda_kernels(strategy):
                                   ("grad_b", ref.grad_bias), ("lse", ref.lse)):
                     if key in got:
                         assert rel_err(got[key], want) <= tol, (case, dtype, key)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_split_topk_and_sequence_parallel_with_a_group_of_one_run_the_cuda_kernels(strategy):
+    """With an NCCL group of one rank, on the GPU: top-K distillation with `vocab_parallel`
+    (every top-K case) and cross-entropy with `sequence_parallel` (its gather and
+    reduce-scatter), bf16 and fp32, against the float64 reference."""
+    from tests.distill_frameworks import TOPK_CASES, case_inputs, errors, run
+    from tests.distill_frameworks import reference as distill_reference
+    from tests.frameworks import torch_outputs
+
+    import torch_impl
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        for dtype in ("bfloat16", "float32"):
+            for name in TOPK_CASES:
+                p, options, g, count, scale = case_inputs("topk", name, dtype)
+                got = run("torch", strategy, p, {**options, "vocab_parallel": group}, g, count, device="cuda",
+                          tuning=SMALL)
+                for key, err in errors(got, distill_reference(p, options, g, count)).items():
+                    assert err <= tolerance(dtype, scale), (name, dtype, key, err)
+            for case, _, _, p, (g_out, g_lse) in _sequence_parallel_cases((strategy,), (dtype,)):
+                options = CASES[case][0]
+                adapter = TorchAdapter(strategy, device="cuda", tuning=SMALL)
+                leaves = {"x": adapter.tensor(p.x, dtype, True), "W": adapter.tensor(p.W, dtype, True),
+                          "b": None if p.b is None else adapter.tensor(p.b, dtype, True)}
+                loss, lse = torch_impl.linear_cross_entropy(
+                    leaves["x"], leaves["W"], adapter.tensor(p.y), linear_bias=leaves["b"],
+                    weight=None if p.cw is None else adapter.tensor(p.cw), return_lse=True, strategy=strategy,
+                    tuning=SMALL, vocab_parallel=group, sequence_parallel=True, **options)
+                got = torch_outputs(loss, lse, leaves, g_out, g_lse if g_lse is not None else 0 * p.y)
+                ref = reference(p, options, g_out, g_lse)
+                for key, want in (("loss", ref.loss), ("lse", ref.lse), ("grad_x", ref.grad_input),
+                                  ("grad_W", ref.grad_weight), ("grad_b", ref.grad_bias)):
+                    if want is not None:
+                        assert rel_err(got[key], want) <= tolerance(dtype, p.logit_scale), (case, dtype, key)
     finally:
         dist.destroy_process_group()
 

@@ -111,9 +111,10 @@ def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, s
     blocks = _head(x_ND, W, b_V, layout, plan, ops, active=active)
     lse_T, lse_1, s_ids, s_y = saved
     r_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_T.dtype)
-    dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
-    if group is not None and dx is not None:
-        dx, dx_acc = torch.zeros(x_ND.shape, dtype=lse_T.dtype, device=x_ND.device), None
+    need_x, need_W, need_b = need
+    dx, dx_acc, dW, db = blocks.gradient_buffers(need_x and group is None, need_W, need_b)
+    if group is not None and need_x:  # summed over the ranks in fp32: no buffer in x's dtype
+        dx = torch.zeros(x_ND.shape, dtype=lse_T.dtype, device=x_ND.device)
     for rs in blocks.row_blocks():
         _, A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], s_y[rs], teacher, rs, o)
         g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)

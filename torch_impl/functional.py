@@ -62,6 +62,18 @@ def head_slice(group, check_local, device) -> tuple[int, int]:
     return parallel.vocab_slice(group, *sizes, device, problem)
 
 
+def _whole_shape(input: torch.Tensor, rows_dim: int | None, group) -> tuple[int, ...]:
+    """The input's shape, or with sequence parallel the shape of every rank's part gathered
+    along rows_dim."""
+    if rows_dim is None:
+        return tuple(input.shape)
+    if input.dim() < 2:
+        raise ValueError(f"sequence_parallel needs an input of rows [..., D], got input of shape {tuple(input.shape)}")
+    shape = list(input.shape)
+    shape[rows_dim] *= torch.distributed.get_world_size(group)
+    return tuple(shape)
+
+
 def kernels_can_run(x: torch.Tensor) -> bool:
     """Triton serves CUDA tensors, and CPU tensors under TRITON_INTERPRET=1; not fp64."""
     if blocked is None or x.dtype == torch.float64:
@@ -102,6 +114,7 @@ def linear_cross_entropy(
     filter_eps: float | None = None,
     tuning: Tuning | None = None,
     vocab_parallel=None,
+    sequence_parallel: bool = False,
     num_items_in_batch=None,
 ):
     """Cross-entropy of ``input @ linear_weight.T + linear_bias`` without the N x V logits.
@@ -143,6 +156,12 @@ def linear_cross_entropy(
             The loss and lse are global; grad_weight is this rank's slice, grad_input the
             full gradient (all-reduced). A DTensor head sharded on its vocabulary dimension
             with a replicated DTensor input is split the same way without this argument.
+        sequence_parallel: with vocab_parallel, input holds this rank's part of the rows,
+            split along its first dimension in rank order (equal parts, as Megatron's
+            [s, b, h] activations); target has the whole rows. The parts are gathered in
+            each pass and grad_input is this rank's part, reduce-scattered. A DTensor input
+            sharded on a dimension other than its last, with a head sharded on its
+            vocabulary, is handled the same way (torchtitan's Shard(1) hidden states).
         num_items_in_batch: with reduction="mean", the denominator in place of the valid
             rows' summed class weight (a number > 0 or a tensor): the global number of
             valid tokens when the rows of a batch are split across ranks or micro-batches,
@@ -161,10 +180,13 @@ def linear_cross_entropy(
     Inside a ``torch.compile``d model the call runs as one opaque step (a graph break):
     the model compiles around it, and bad targets still raise.
     """
+    rows_dim = 0 if sequence_parallel else None
     if vocab_parallel is None and parallel is not None:
         local = parallel.local_operands(linear_weight, input, linear_bias, weight_layout)
         if local is not None:
-            input, linear_weight, linear_bias, vocab_parallel = local
+            input, linear_weight, linear_bias, vocab_parallel, rows_dim = local
+    if sequence_parallel and vocab_parallel is None:
+        raise ValueError("sequence_parallel needs vocab_parallel (the process group that splits the rows and the head)")
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight))
     if torch.is_autocast_enabled(input.device.type):  # as F.linear would: cast to the autocast dtype
         dtype = torch.get_autocast_dtype(input.device.type)
@@ -177,7 +199,7 @@ def linear_cross_entropy(
     filter_eps = check_filter_eps(filter_eps)
     tuning = check_tuning(tuning)
     checked = lambda cw, classes: check_inputs(
-        input_shape=tuple(input.shape),
+        input_shape=_whole_shape(input, rows_dim, vocab_parallel),
         input_dtype=dtype_name(input.dtype),
         weight_shape=tuple(linear_weight.shape),
         weight_dtype=dtype_name(linear_weight.dtype),
@@ -193,7 +215,7 @@ def linear_cross_entropy(
     first, classes = (0, None) if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked(None, None),
                                                                                    input.device)
     shape = checked(weight, classes)
-    x_ND = input.reshape(shape.n_rows, shape.hidden)
+    x_ND = input.reshape(-1, shape.hidden)  # this rank's part of the rows with sequence parallel
     y_N = dense(target.reshape(shape.n_rows))
     linear_bias, weight = dense(linear_bias), dense(weight)
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
@@ -203,8 +225,8 @@ def linear_cross_entropy(
         plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
                                accumulate_in_input_dtype)
         loss, lse_N = SteppedLinearCrossEntropy.apply(
-            x_ND, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts, weight_layout, plan, ops,
-            vocab_parallel, first, shape.vocab,
+            x_ND if rows_dim is None else input, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts,
+            weight_layout, plan, ops, vocab_parallel, first, shape.vocab, rows_dim,
         )
     else:
         # The kernels read out-of-range targets safely (NaN rows), so the work is queued before

@@ -36,6 +36,7 @@ class LinearCrossEntropyLoss(nn.Module):
         filter_eps: float | None = None,
         tuning: Tuning | None = None,
         vocab_parallel=None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.options = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
@@ -47,6 +48,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.filter_eps = check_filter_eps(filter_eps)
         self.tuning = check_tuning(tuning)
         self.vocab_parallel = vocab_parallel
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, input, linear_weight, target, linear_bias=None, num_items_in_batch=None):
         o = self.options
@@ -55,7 +57,8 @@ class LinearCrossEntropyLoss(nn.Module):
             reduction=o.reduction, ignore_index=o.ignore_index, label_smoothing=o.label_smoothing,
             z_loss=o.z_loss, softcap=o.softcap, return_lse=self.return_lse, weight_layout=self.weight_layout,
             strategy=self.strategy, accumulate_in_input_dtype=self.accumulate_in_input_dtype, filter_eps=self.filter_eps,
-            tuning=self.tuning, vocab_parallel=self.vocab_parallel, num_items_in_batch=num_items_in_batch,
+            tuning=self.tuning, vocab_parallel=self.vocab_parallel, sequence_parallel=self.sequence_parallel,
+            num_items_in_batch=num_items_in_batch,
         )
 
     def extra_repr(self) -> str:

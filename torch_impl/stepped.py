@@ -13,6 +13,9 @@ them into dz with a "grad" step (interop/SPEC.md).
 - With a process group, this rank holds the classes [first, first + V_r) of a head split
   over the vocabulary (`torch_impl.vocab_parallel`): the ranks combine their statistics in
   the forward pass (`combine_stats`) and sum grad_input in the backward pass, on either steps.
+  With sequence parallel, each rank passes its part of the rows: they are gathered in each
+  pass (`gather_rows`: the whole input is never saved) and grad_input
+  is reduce-scattered back to the parts.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def local_targets(y_N, first: int, local_vocab: int):
 def combine_stats(running, sums, group):
     """([lse [N] of each running (m, l) pair], [each tensor of `sums` summed]) over all
     ranks' classes: one all-reduce MAX of the m's, one SUM of the rest (nothing without a
-    group). lse is NaN where any rank saw a NaN logit (a MAX all-reduce need not keep NaN)."""
+    group). lse is NaN where any rank's running pair is NaN (a NaN logit, or +inf which
+    makes l NaN), as one process gives: a MAX all-reduce need not keep NaN."""
     if group is None:
         return [m + torch.log(l) for m, l in running], list(sums)
     m = torch.stack([m for m, _ in running])
@@ -49,7 +53,7 @@ def combine_stats(running, sums, group):
     finite = torch.isfinite(m_all)
     shift = torch.where(finite, m_all, torch.zeros_like(m_all))
     scaled = torch.where(m == -torch.inf, torch.zeros_like(l), l * torch.exp(m - shift))
-    flat = torch.cat([scaled.flatten(), torch.isnan(m).to(l.dtype).flatten(), *(t.flatten() for t in sums)])
+    flat = torch.cat([scaled.flatten(), (torch.isnan(m) | torch.isnan(l)).to(l.dtype).flatten(), *(t.flatten() for t in sums)])
     dist.all_reduce(flat, group=group)
     k = m.numel()
     lse = torch.where(finite, shift + torch.log(flat[:k].view_as(m)), m_all)
@@ -61,15 +65,43 @@ def combine_stats(running, sums, group):
     return list(lse.unbind(0)), parts
 
 
+def gather_rows(x, group, dim: int) -> torch.Tensor:
+    """Sequence parallel: every rank's part of the input (equal parts, split along `dim`),
+    concatenated along `dim` in the group's rank order, as Megatron's sequence-parallel
+    layers gather their input before the vocabulary-split head."""
+    parts = x.movedim(dim, 0).contiguous()
+    whole = parts.new_empty((dist.get_world_size(group) * parts.shape[0], *parts.shape[1:]))
+    dist.all_gather_into_tensor(whole, parts, group=group)
+    return whole.movedim(0, dim)
+
+
+def reduce_scatter_rows(dx, group, dim: int) -> torch.Tensor:
+    """The transpose of `gather_rows`: every rank's share of the whole input's gradient dx
+    summed, and this rank's part along `dim` kept (one reduce-scatter: 1/P of an all-reduce's
+    result, and the gathered input's gradient is never whole on any rank)."""
+    shares = dx.movedim(dim, 0).contiguous()
+    mine = shares.new_empty((shares.shape[0] // dist.get_world_size(group), *shares.shape[1:]))
+    dist.reduce_scatter_tensor(mine, shares, group=group)
+    return mine.movedim(0, dim)
+
+
+def _whole_rows(x, group, rows_dim):
+    """The flattened rows [N, D] of the input: x itself (already [N, D]) without sequence
+    parallel, else every rank's part of x gathered along rows_dim."""
+    return x if rows_dim is None else gather_rows(x, group, rows_dim).reshape(-1, x.shape[-1])
+
+
 class SteppedLinearCrossEntropy(torch.autograd.Function):
-    """Over flattened rows x [N, D], the head W (this rank's slice with a group), its bias,
-    the full class weights cw [V] and the global targets y [N] (int64); returns (reduced
-    loss, lse [N]) in the compute dtype, the same on every rank of `group`. first: the
-    rank's first class (0 without a group); vocab: V of the whole head."""
+    """Over flattened rows x [N, D] (with sequence parallel, rows_dim names the dimension of
+    this rank's part [..., D] of the input that the ranks split), the head W (this rank's
+    slice with a group), its bias, the full class weights cw [V] and the global targets y
+    [N] (int64); returns (reduced loss, lse [N]) in the compute dtype, the same on every rank
+    of `group`. first: the rank's first class (0 without a group); vocab: V of the whole head."""
 
     @staticmethod
-    def forward(ctx, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan, ops,
-                group, first: int, vocab: int):
+    def forward(ctx, x, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan, ops,
+                group, first: int, vocab: int, rows_dim: int | None = None):
+        x_ND = _whole_rows(x, group, rows_dim)
         wide = compute_dtype(x_ND.dtype)
         blocks = HeadBlocks(x_ND, W, b_V, weight_layout, plan, logits_dtype=wide if ops is TorchOps else None)
         local_vocab, n, dev = blocks.vocab, x_ND.shape[0], x_ND.device
@@ -88,14 +120,14 @@ class SteppedLinearCrossEntropy(torch.autograd.Function):
         rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
         cw_sum = vocab if cw is None else cw.sum()
         loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
-        ctx.save_for_backward(x_ND, W, b_V, cw, y_N, lse)
-        ctx.args = (opts, weight_layout, plan, ops, group, first, vocab)
+        ctx.save_for_backward(x, W, b_V, cw, y_N, lse)
+        ctx.args = (opts, weight_layout, plan, ops, group, first, vocab, rows_dim)
         ctx.set_materialize_grads(False)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        _, _, _, ops, group, _, _ = ctx.args
+        _, _, _, ops, group, _, _, _ = ctx.args
         if group is None and ops is TorchOps:  # plain PyTorch ops: autograd may record them (create_graph)
             return SteppedLinearCrossEntropy._backward(ctx, grad_loss, grad_lse)
         return first_order_only(ctx, SteppedLinearCrossEntropy._backward, grad_loss, grad_lse,
@@ -103,11 +135,12 @@ class SteppedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_loss, grad_lse):
-        none = (None,) * 9
+        none = (None,) * 10
         if grad_loss is None and grad_lse is None:
             return (None, None, None) + none
-        x_ND, W, b_V, cw, y_N, lse = ctx.saved_tensors
-        opts, layout, plan, ops, group, first, vocab = ctx.args
+        x, W, b_V, cw, y_N, lse = ctx.saved_tensors
+        opts, layout, plan, ops, group, first, vocab, rows_dim = ctx.args
+        x_ND = _whole_rows(x, group, rows_dim)
         wide = lse.dtype
         blocks = HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=wide if ops is TorchOps else None)
         cw_local = None if cw is None else cw[first : first + blocks.vocab]
@@ -135,8 +168,10 @@ class SteppedLinearCrossEntropy(torch.autograd.Function):
                 if need_x and not summed:
                     dx[rs] = dz.to(W.dtype) @ blocks.head_cols(v0, cols)
         dz = blocks = None
-        if dx is not None and summed:
-            if group is not None:
-                dist.all_reduce(dx, group=group)  # every rank's classes' share of each row's gradient
-            dx = dx.to(x_ND.dtype)
+        if dx is not None and summed:  # every rank's classes' share of each row's gradient, summed
+            if rows_dim is not None:
+                dx = reduce_scatter_rows(dx.view(*x.shape[:rows_dim], -1, *x.shape[rows_dim + 1:]), group, rows_dim)
+            elif group is not None:
+                dist.all_reduce(dx, group=group)
+            dx = dx.to(x.dtype)
         return (dx, final_grad(dW, W), final_grad(db, b_V)) + none

@@ -9,7 +9,8 @@ logits for label smoothing); the ranks then combine them (one all-reduce MAX and
 all-reduce SUM of four floats per row: never logits) into the global lse, from which each
 rank forms dz on its own columns in the backward pass, recomputing its logits. Each rank
 gets its slice of grad_weight and grad_bias, and the full grad_input (one all-reduce SUM of
-[N, D] in fp32). Class weights are the full [V] vector on every rank. Every rank makes the
+[N, D] in fp32, or with sequence parallel a reduce-scatter of it over the rows: see
+`torch_impl.stepped.gather_rows`). Class weights are the full [V] vector on every rank. Every rank makes the
 same collectives in the same order whatever its arguments (`vocab_slice` checks them all
 first), so a bad argument on one rank raises on every rank instead of leaving the others
 waiting.
@@ -72,24 +73,30 @@ def _gathered(t):
 
 
 def local_operands(linear_weight, input, linear_bias, weight_layout: str):
-    """Plain tensors for DTensor arguments: (input, head, bias, process group or None).
+    """Plain tensors for DTensor arguments: (input, head, bias, process group or None, the
+    input's dimension split over the group or None).
 
     A head sharded on its vocabulary dimension over a 1-D mesh, with the input a DTensor
-    replicated on that mesh (tensor parallel, as `loss_parallel`): the local slices and the
-    mesh's group, each differentiable back to its DTensor (the head's and the bias' gradients
-    keep their Shard placement, the input's its Replicate). A DTensor head with a plain input
-    (FSDP2, rows split across ranks): the head and bias gathered (`_gathered`), no group.
-    None when no argument is a DTensor."""
+    on that mesh, replicated (tensor parallel, as `loss_parallel`) or sharded on a dimension
+    other than its last (sequence parallel, as torchtitan's Shard(1) hidden states): the local
+    slices and the mesh's group, each differentiable back to its DTensor (the head's and the
+    bias' gradients keep their Shard placement, the input's its own). A DTensor head with a
+    plain input (FSDP2, rows split across ranks): the head and bias gathered (`_gathered`),
+    no group. None when no argument is a DTensor."""
     if not any(isinstance(t, DTensor) for t in (linear_weight, input, linear_bias)):
         return None
     if not isinstance(input, DTensor):
-        return input, _gathered(linear_weight), _gathered(linear_bias), None
+        return input, _gathered(linear_weight), _gathered(linear_bias), None, None
     if not isinstance(linear_weight, DTensor) or linear_weight.device_mesh != input.device_mesh \
             or input.device_mesh.ndim != 1:
         raise ValueError("a DTensor input needs a DTensor linear_weight on the same 1-D mesh")
-    if tuple(input.placements) != (Replicate(),):
-        raise ValueError(f"a DTensor input must be replicated on its mesh (the rows the same on every rank), got "
-                         f"placements {tuple(input.placements)}")
+    (placement,) = input.placements
+    rows_dim = None
+    if isinstance(placement, Shard) and placement.dim % input.ndim < input.ndim - 1:
+        rows_dim = placement.dim % input.ndim
+    elif placement != Replicate():
+        raise ValueError(f"a DTensor input must be replicated on its mesh or sharded on a dimension of its rows (not "
+                         f"the last, the hidden size), got placements {tuple(input.placements)}")
     vocab_dim = 0 if weight_layout == "VD" else 1
     placements = tuple(linear_weight.placements)
     if placements not in ((Shard(vocab_dim),), (Replicate(),)):
@@ -100,5 +107,7 @@ def local_operands(linear_weight, input, linear_bias, weight_layout: str):
         if tuple(bias.placements) != ((Shard(0),) if placements != (Replicate(),) else (Replicate(),)):
             raise ValueError(f"linear_bias must be placed as the head's vocabulary, got {tuple(bias.placements)}")
         bias = bias.to_local()
+    if placements == (Replicate(),) and rows_dim is not None:
+        raise ValueError("a DTensor input sharded on its rows needs a head sharded on its vocabulary")
     group = None if placements == (Replicate(),) else input.device_mesh.get_group()
-    return input.to_local(), linear_weight.to_local(), bias, group
+    return input.to_local(), linear_weight.to_local(), bias, group, rows_dim
