@@ -98,20 +98,32 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=None, help="timed runs (default 10 on GPUs, 2 on CPUs)")
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
+    def body(gpu: bool, dtype):
+        shapes = (args.shapes or ("L,G" if gpu else "256x64x1000")).split(",")
+        rows = run(shapes, args.methods.split(","), dtype, args.repeat or (10 if gpu else 2), args.weak)
+        return {"weak": args.weak, "results": rows}
+
+    on_ranks(body, args.json)
+
+
+def on_ranks(body, json_path: str | None, **environment) -> None:
+    """A torchrun process: the process group (NCCL on GPUs, gloo on CPUs), then
+    body(gpu, dtype) -> a dict that rank 0 writes to json_path with the run's environment
+    (date, torch, ranks, device, dtype, and `environment`'s entries)."""
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if gpu else "gloo")
     try:
         dtype = torch.bfloat16 if gpu else torch.float32
-        shapes = (args.shapes or ("L,G" if gpu else "256x64x1000")).split(",")
-        rows = run(shapes, args.methods.split(","), dtype, args.repeat or (10 if gpu else 2), args.weak)
-        if dist.get_rank() == 0 and args.json:
+        record = body(gpu, dtype)
+        if dist.get_rank() == 0 and json_path:
             env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "torch": torch.__version__, "ranks": dist.get_world_size(),
-                   "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": str(dtype).removeprefix("torch.")}
-            with open(args.json, "w") as f:
-                json.dump({"environment": env, "weak": args.weak, "results": rows}, f, indent=1)
+                   "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": str(dtype).removeprefix("torch."),
+                   **environment}
+            with open(json_path, "w") as f:
+                json.dump({"environment": env, **record}, f, indent=1)
         dist.barrier()  # no rank tears its group down while another still uses it
     finally:
         dist.destroy_process_group()

@@ -107,23 +107,38 @@ def _fsdp2_worker(rank: int, world: int, port: int) -> None:
         # each rank its own row of the batch; the global count of valid targets
         batch = {k: v[rank:rank + 1] for k, v in make_batch().items()}
         count = torch.tensor(int((make_batch()["labels"][:, 1:] != -100).sum()))
-        for name in ("LlamaForCausalLM", "Gemma2ForCausalLM"):  # untied head; tied head with a softcap
-            for head_apart in (False, True):
-                steps = []
-                for patch in (False, True):
-                    model = make_model(name)
-                    if patch:
-                        patch_causal_lm(model)
-                    for layer in model.model.layers:  # as transformers' FSDP plan wraps a model
-                        fully_shard(layer, mesh=mesh)
-                    if head_apart and model.lm_head.weight is not model.model.embed_tokens.weight:
-                        fully_shard(model.lm_head, mesh=mesh)  # a DTensor head its forward never gathers
-                    fully_shard(model, mesh=mesh)
-                    out, grads = train_step(model, **batch, num_items_in_batch=count)
-                    steps.append((out, {k: None if g is None else g.full_tensor() for k, g in grads.items()}))
-                assert_same_step(*steps)
+        # an untied head in the root's group or sharded on its own; a tied head with a softcap
+        for name, head_apart in (("LlamaForCausalLM", False), ("LlamaForCausalLM", True), ("Gemma2ForCausalLM", False)):
+            steps = []
+            for patch in (False, True):
+                model = make_model(name)
+                if patch:
+                    patch_causal_lm(model)
+                for layer in model.model.layers:  # as transformers' FSDP plan wraps a model
+                    fully_shard(layer, mesh=mesh)
+                if head_apart:
+                    fully_shard(model.lm_head, mesh=mesh)  # a DTensor head its forward never gathers
+                fully_shard(model, mesh=mesh)
+                out, grads = train_step(model, **batch, num_items_in_batch=count)
+                steps.append((out, {k: None if g is None else g.full_tensor() for k, g in grads.items()}))
+            assert_same_step(*steps)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp2_model_benchmark_runs_on_two_gloo_ranks(tmp_path):
+    """`torchrun -m bench.fsdp_model` (the multi-GPU model benchmark's command) on 2 CPU ranks
+    with a tiny Llama: both methods run and give the same loss."""
+    import json
+
+    out = tmp_path / "fsdp.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "bench.fsdp_model", "--tiny", "--seq", "16", "--repeat", "1", "--json", str(out)],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["method"] for r in rows] == ["transformers", "ours"]
+    assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-5 * abs(rows[0]["loss"])
 
 
 def test_fsdp2_training_step_matches_the_original():
