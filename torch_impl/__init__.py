@@ -2,6 +2,8 @@
 
 from torch_impl.distillation import linear_distillation, linear_topk_distillation
 from torch_impl.functional import linear_cross_entropy
+from torch_impl.log_probs import linear_log_probs
 from torch_impl.module import LinearCrossEntropyLoss
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "linear_topk_distillation", "linear_distillation"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "linear_topk_distillation", "linear_distillation",
+           "linear_log_probs"]

@@ -1,0 +1,65 @@
+"""The float64 reference of `linear_log_probs` (interop/SPEC.md, "Log-probabilities"), in
+numpy: materialises the logits, for small shapes only; tested against float64 autograd."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from interop.log_probs import LogProbsOptions
+
+
+@dataclasses.dataclass
+class LogProbsResult:
+    """float64 outputs (argmax int64): log_probs, entropy, argmax [...]; grad_input [..., D];
+    grad_weight shaped as the given weight; grad_bias [V] or None."""
+
+    log_probs: np.ndarray
+    entropy: np.ndarray
+    argmax: np.ndarray
+    grad_input: np.ndarray
+    grad_weight: np.ndarray
+    grad_bias: np.ndarray | None
+
+
+def linear_log_probs_reference(input, linear_weight, target, *, linear_bias=None, temperature=1.0, softcap=None,
+                               ignore_index=-100, weight_layout="VD", grad_log_probs=None,
+                               grad_entropy=None) -> LogProbsResult:
+    """Outputs and the gradients of sum(grad_log_probs * log_probs + grad_entropy *
+    entropy) (either upstream gradient [...] or None for zeros). A target out of [0, V)
+    that is not ignore_index gives a NaN log-probability (and NaN gradients)."""
+    o = LogProbsOptions(temperature, softcap, ignore_index)
+    x = np.asarray(input, np.float64)
+    lead = x.shape[:-1]
+    x_ND = x.reshape(int(np.prod(lead)), x.shape[-1])
+    W = np.asarray(linear_weight, np.float64)
+    W_VD = W if weight_layout == "VD" else W.T
+    V = W_VD.shape[0]
+    y = np.asarray(target).reshape(-1).astype(np.int64)
+    b = None if linear_bias is None else np.asarray(linear_bias, np.float64)
+    z = x_ND @ W_VD.T + (0.0 if b is None else b)
+    s = z if o.softcap is None else o.softcap * np.tanh(z / o.softcap)
+    u = s / o.temperature
+    m = u.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(u - m).sum(axis=1, keepdims=True)))[:, 0]
+    p = np.exp(u - lse[:, None])
+    with np.errstate(invalid="ignore"):  # p u is 0 where p is (a class masked by a -inf logit)
+        pu = np.where(p == 0, 0.0, p * u)
+    mean_u = pu.sum(axis=1)
+    valid, in_range = y != o.ignore_index, (y >= 0) & (y < V)
+    rows = np.arange(len(y))
+    safe_y = np.where(in_range, y, 0)
+    logp = np.where(valid, np.where(in_range, u[rows, safe_y] - lse, np.nan), 0.0)
+    g_lp = np.zeros(len(y)) if grad_log_probs is None else np.asarray(grad_log_probs, np.float64).reshape(-1)
+    g_H = np.zeros(len(y)) if grad_entropy is None else np.asarray(grad_entropy, np.float64).reshape(-1)
+    g_lp = np.where(valid, np.where(in_range, g_lp, np.nan), 0.0)
+    du = -p * g_lp[:, None] - g_H[:, None] * (pu - p * mean_u[:, None])
+    du[rows, safe_y] += np.where(in_range, g_lp, 0.0)
+    dz = du / o.temperature
+    if o.softcap is not None:
+        dz = dz * (1 - (s / o.softcap) ** 2)
+    return LogProbsResult(
+        log_probs=logp.reshape(lead), entropy=(lse - mean_u).reshape(lead), argmax=u.argmax(axis=1).reshape(lead),
+        grad_input=(dz @ W_VD).reshape(x.shape), grad_weight=dz.T @ x_ND if weight_layout == "VD" else x_ND.T @ dz,
+        grad_bias=None if b is None else dz.sum(axis=0))

@@ -1,0 +1,218 @@
+"""`linear_log_probs` in both frameworks against the float64 reference (itself checked against
+float64 autograd): log-probabilities, entropy and argmax at a temperature, and the gradients
+of any combination of log-probabilities and entropy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from interop.log_probs_reference import linear_log_probs_reference
+from tests.frameworks import SMALL, laid_out, make_problem, rel_err, seed_of, tolerance
+
+# name -> (options, make_problem arguments, which upstream gradients: "both", "log_probs", "entropy")
+CASES = {
+    "plain": (dict(), dict(), "both"),
+    "T0.7-bias": (dict(temperature=0.7), dict(bias=True), "both"),
+    "softcap-T2-3d": (dict(softcap=4.0, temperature=2.0), dict(lead=(2, 7), bias=True, logit_scale=3.0), "both"),
+    "custom-ignore-logp-only": (dict(ignore_index=3), dict(ignore_index=3), "log_probs"),
+    "entropy-only-hot": (dict(temperature=0.5), dict(logit_scale=4.0), "entropy"),
+}
+FRAMEWORKS = ["torch", "jax"]
+
+
+def _problem(case: str, dtype: str, layout: str = "VD"):
+    options, kwargs, which = CASES[case]
+    seed = seed_of("log-probs", case, dtype, layout)
+    p = make_problem(seed, dtype=dtype, weight_layout=layout, **kwargs)
+    rng = np.random.default_rng(seed + 1)
+    g_lp = rng.standard_normal(p.y.shape) if which in ("both", "log_probs") else None
+    g_H = rng.standard_normal(p.y.shape) if which in ("both", "entropy") else None
+    return p, options, g_lp, g_H
+
+
+def _reference(p, options, g_lp, g_H):
+    return linear_log_probs_reference(p.x, p.W, p.y, linear_bias=p.b, weight_layout=p.weight_layout,
+                                      grad_log_probs=g_lp, grad_entropy=g_H, **options)
+
+
+def run_torch(p, options, g_lp, g_H, device="cpu", layouts=None):
+    """{"log_probs", "entropy", "argmax", "grad_x", "grad_W", "grad_b"} as numpy."""
+    import torch_impl
+
+    dtype = getattr(torch, p.dtype)
+    lay = lambda k, t: t if not layouts or k not in layouts else laid_out(t, layouts[k])
+    x = lay("x", torch.tensor(p.x, device=device).to(dtype)).requires_grad_()
+    W = lay("W", torch.tensor(p.W, device=device).to(dtype)).requires_grad_()
+    b = None if p.b is None else lay("b", torch.tensor(p.b, device=device).to(dtype)).requires_grad_()
+    y = lay("y", torch.tensor(p.y, device=device))
+    lp, H, am = torch_impl.linear_log_probs(x, W, y, linear_bias=b, weight_layout=p.weight_layout, return_entropy=True,
+                                            return_argmax=True, tuning=SMALL, **options)
+    outs, grads = [], []
+    for out, g in ((lp, g_lp), (H, g_H)):
+        if g is not None:
+            outs.append(out)
+            grads.append(torch.tensor(g, dtype=out.dtype, device=device))
+    leaves = [t for t in (x, W, b) if t is not None]
+    got = dict(zip(("grad_x", "grad_W", "grad_b"), torch.autograd.grad(outs, leaves, grads)))
+    got.update(log_probs=lp, entropy=H, argmax=am)
+    assert am.dtype == torch.int64 and lp.dtype == H.dtype == (torch.float64 if p.dtype == "float64" else torch.float32)
+    return {k: v.detach().cpu().numpy() if k == "argmax" else v.detach().double().cpu().numpy() for k, v in got.items()}
+
+
+def run_jax(p, options, g_lp, g_H):
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    dtype = getattr(jnp, p.dtype)
+    args = [jnp.asarray(p.x, dtype), jnp.asarray(p.W, dtype)] + ([] if p.b is None else [jnp.asarray(p.b, dtype)])
+
+    def f(x, W, b=None):
+        return jax_impl.linear_log_probs(x, W, jnp.asarray(p.y.astype(np.int32)), linear_bias=b,
+                                         weight_layout=p.weight_layout, return_entropy=True, return_argmax=True,
+                                         tuning=SMALL, **options)
+
+    (lp, H, am), vjp = jax.vjp(f, *args)
+    zeros = np.zeros(p.y.shape)
+    grads = vjp((jnp.asarray(zeros if g_lp is None else g_lp, lp.dtype), jnp.asarray(zeros if g_H is None else g_H, H.dtype),
+                 np.zeros(am.shape, jax.dtypes.float0)))
+    got = dict(zip(("grad_x", "grad_W", "grad_b"), grads))
+    got.update(log_probs=lp, entropy=H)
+    out = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in got.items()}
+    out["argmax"] = np.asarray(am)
+    return out
+
+
+def check(got: dict, ref, dtype: str, logit_scale: float, where: str) -> None:
+    tol = tolerance(dtype, logit_scale)
+    for key, want in (("log_probs", ref.log_probs), ("entropy", ref.entropy), ("grad_x", ref.grad_input),
+                      ("grad_W", ref.grad_weight), ("grad_b", ref.grad_bias)):
+        if want is not None:
+            err = rel_err(got[key], want)
+            assert err <= tol, f"{where}, {key}: relative error {err:.3g} > {tol:.3g}"
+    if dtype in ("float32", "float64"):  # 16-bit logits may round a near-tie either way
+        assert (got["argmax"] == ref.argmax).all(), where
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reference_matches_float64_autograd(case):
+    """The reference's outputs and gradients equal float64 autograd of the naive formula."""
+    p, options, g_lp, g_H = _problem(case, "float64")
+    ref = _reference(p, options, g_lp, g_H)
+    x, W = torch.tensor(p.x, requires_grad=True), torch.tensor(p.W, requires_grad=True)
+    b = None if p.b is None else torch.tensor(p.b, requires_grad=True)
+    z = x @ W.T + (0 if b is None else b)
+    cap, T = options.get("softcap"), options.get("temperature", 1.0)
+    u = (z if cap is None else cap * torch.tanh(z / cap)) / T
+    logp_all = torch.log_softmax(u, -1)
+    y = torch.tensor(p.y)
+    valid = y != options.get("ignore_index", -100)
+    lp = torch.where(valid, logp_all.gather(-1, torch.where(valid, y, 0)[..., None])[..., 0], 0.0)
+    H = -(logp_all.exp() * logp_all).sum(-1)
+    total = sum((out * torch.tensor(g)).sum() for out, g in ((lp, g_lp), (H, g_H)) if g is not None)
+    grads = torch.autograd.grad(total, [t for t in (x, W, b) if t is not None])
+    np.testing.assert_allclose(ref.log_probs, lp.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ref.entropy, H.detach().numpy(), rtol=1e-12, atol=1e-12)
+    assert (ref.argmax == u.argmax(-1).numpy()).all()
+    for got, want in zip((ref.grad_input, ref.grad_weight, ref.grad_bias), grads):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_matches_reference(framework, case, dtype):
+    if framework == "jax" and dtype == "float64":
+        pytest.skip("JAX computes float64 only with jax_enable_x64")
+    p, options, g_lp, g_H = _problem(case, dtype)
+    got = run_torch(p, options, g_lp, g_H) if framework == "torch" else run_jax(p, options, g_lp, g_H)
+    check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{framework}, {case}, {dtype}")
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_dv_layout(framework):
+    p, options, g_lp, g_H = _problem("T0.7-bias", "float32", "DV")
+    got = run_torch(p, options, g_lp, g_H) if framework == "torch" else run_jax(p, options, g_lp, g_H)
+    check(got, _reference(p, options, g_lp, g_H), "float32", 1.0, f"{framework}, DV")
+
+
+@pytest.mark.parametrize("layouts", [dict(x="transposed", W="offset", b="expanded", y="strided"),
+                                     dict(x="column", W="transposed", b="strided", y="offset")])
+def test_views_give_what_their_copies_give(layouts):
+    p, options, g_lp, g_H = _problem("T0.7-bias", "float32")
+    got = run_torch(p, options, g_lp, g_H, layouts=layouts)
+    if layouts.get("b") == "expanded":  # an expanded bias holds its first entry everywhere
+        p.b = np.full_like(p.b, p.b[0])
+    check(got, _reference(p, options, g_lp, g_H), "float32", 1.0, str(layouts))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_nan_in_the_head_and_a_masking_bias(framework):
+    """A NaN in one class of the head makes every row's log-probability and entropy NaN
+    (ignored rows keep a log-probability of 0); a bias of -inf on some classes (masked
+    tokens) leaves everything finite and equal to the reference."""
+    p, options, g_lp, g_H = _problem("T0.7-bias", "float32")
+    p.b[[4, 17, 30]] = -np.inf
+    run = run_torch if framework == "torch" else run_jax
+    got = run(p, options, g_lp, g_H)
+    ref = _reference(p, options, g_lp, g_H)
+    assert np.isfinite(got["entropy"]).all() and np.isfinite(got["grad_W"]).all()
+    check(got, ref, "float32", 1.0, "masking bias")
+    assert not np.isin(got["argmax"], [4, 17, 30]).any()
+    W = p.W.copy()
+    W[9, 2] = np.nan
+    p.W = W
+    got = run(p, options, g_lp, g_H)
+    valid = p.y != -100
+    assert np.isnan(got["log_probs"][valid]).all() and (got["log_probs"][~valid] == 0).all()
+    assert np.isnan(got["entropy"]).all()
+
+
+def test_return_flags_and_arguments():
+    import torch_impl
+
+    p, _, _, _ = _problem("plain", "float32")
+    x, W, y = torch.tensor(p.x), torch.tensor(p.W), torch.tensor(p.y)
+    lp = torch_impl.linear_log_probs(x, W, y)
+    assert lp.shape == y.shape
+    lp2, am = torch_impl.linear_log_probs(x, W, y, return_argmax=True)
+    assert torch.equal(lp, lp2) and am.shape == y.shape
+    for kwargs, match in ((dict(strategy="speed"), "strategy"), (dict(temperature=0.0), "temperature"),
+                          (dict(softcap=-1.0), "softcap"), (dict(weight_layout="DV"), "D=")):
+        with pytest.raises(ValueError, match=match):
+            torch_impl.linear_log_probs(x, W, y, **kwargs)
+    bad = y.clone()
+    bad[3] = p.vocab
+    with pytest.raises(ValueError, match="target"):
+        torch_impl.linear_log_probs(x, W, bad)
+    with pytest.raises(TypeError, match="linear_bias"):
+        torch_impl.linear_log_probs(x, W, y, linear_bias=[0.0])
+
+
+def test_jax_target_out_of_range_raises_eagerly_and_gives_nan_under_jit():
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    p, _, _, _ = _problem("plain", "float32")
+    y = p.y.astype(np.int32)
+    y[3] = p.vocab
+    with pytest.raises(ValueError, match="target"):
+        jax_impl.linear_log_probs(jnp.asarray(p.x), jnp.asarray(p.W), jnp.asarray(y))
+    lp = jax.jit(jax_impl.linear_log_probs)(jnp.asarray(p.x), jnp.asarray(p.W), jnp.asarray(y))
+    assert np.isnan(np.asarray(lp)[3]) and np.isfinite(np.delete(np.asarray(lp), 3)).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_on_the_gpu(framework):
+    """Every case, bf16 and fp32, on the GPU (PyTorch on CUDA, JAX on its default GPU)."""
+    for case in CASES:
+        for dtype in ("bfloat16", "float32"):
+            p, options, g_lp, g_H = _problem(case, dtype)
+            got = run_torch(p, options, g_lp, g_H, "cuda") if framework == "torch" else run_jax(p, options, g_lp, g_H)
+            check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{framework}, {case}, {dtype}")
