@@ -9,9 +9,6 @@ import math
 
 from interop.options import DEFAULT_IGNORE_INDEX, _as_float
 
-LOG_PROBS_STRATEGIES = ("auto", "chunked")
-
-
 @dataclasses.dataclass(frozen=True)
 class LogProbsOptions:
     """Options of `linear_log_probs`, validated on construction.
@@ -39,13 +36,3 @@ class LogProbsOptions:
             object.__setattr__(self, "ignore_index", DEFAULT_IGNORE_INDEX)
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
-
-
-def check_log_probs_strategy(strategy: str) -> str:
-    """The strategies `linear_log_probs` runs: its block loop in framework ops ("chunked",
-    which "auto" picks everywhere); the kernel strategies are cross-entropy's and the
-    distillation losses'."""
-    if strategy not in LOG_PROBS_STRATEGIES:
-        raise ValueError(f"linear_log_probs: strategy must be one of {LOG_PROBS_STRATEGIES}, got {strategy!r} (its "
-                         f"blocks run in framework ops, with no Triton or Pallas kernel)")
-    return strategy

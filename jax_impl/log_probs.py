@@ -2,11 +2,12 @@
 `torch_impl.linear_log_probs` (interop/SPEC.md, "Log-probabilities"): per-token log p(target)
 at a temperature, the entropy and the argmax, without the N x V logits.
 
-Over blocks of whole rows (`jax_impl.rows.row_loop`, `jax_impl.blocked.Head`) each block's
-logits are made in fp32 (fp64 for fp64 inputs) by XLA's product and reduced to the per-row
-outputs; the backward rule of the `jax.custom_vjp` recomputes them and turns the upstream
-gradients of the log-probabilities and the entropy into dz, whose products give grad_input
-and an fp32 grad_weight.
+The block loops of the distillation losses (`jax_impl.distill_blocked`'s configuration, rows
+by `jax_impl.rows.row_loop`, columns by `jax_impl.blocked.Head.col_loop`) with the
+"log_prob" steps of `jax_impl.steps`: Pallas kernels ("speed", "memory") or jax.numpy
+("chunked"). The forward pass merges each block into per-row running statistics and keeps
+lse and the entropy; the backward rule of the `jax.custom_vjp` recomputes each block and
+turns the upstream gradients into dz, whose products give grad_input and an fp32 grad_weight.
 """
 
 from __future__ import annotations
@@ -17,111 +18,74 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import chunk_rows
-from interop.log_probs import LogProbsOptions, check_log_probs_strategy
-from interop.options import check_inputs, check_tuning
+from interop.log_probs import LogProbsOptions
+from interop.options import check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
-from jax_impl.blocked import Head
-from jax_impl.functional import _check_target_range, as_array, dtype_name, maybe_array, shape_of
+from jax_impl.distill_blocked import DistillConfig, plan_distillation
+from jax_impl.functional import (_check_target_range, as_array, choose_strategy, dtype_name, maybe_array, platform_of,
+                                 shape_of)
+from jax_impl.log_probs_kernels import NO_COLUMN
 from jax_impl.rows import compute_dtype, narrow_targets, row_loop
 from jax_impl.sharding import on_mesh, row_spec
 
 
-@dataclasses.dataclass(frozen=True)
-class LogProbsConfig:
-    """The static part of one call (a nondiff argument of the custom_vjp)."""
-
-    options: LogProbsOptions
-    weight_layout: str
-    block_rows: int
-    vocab: int
-    with_entropy: bool
-    accumulate_in_input_dtype: bool
-
-    def head(self, x, W, b):
-        return Head(x, W, b, self.weight_layout, self.vocab, self.vocab, compute_dtype(x.dtype))
-
-
-def _scaled(head: Head, x_R, b_V, o: LogProbsOptions):
-    """(s, u) of a block of rows: the soft-capped logits with the bias, and u = s / T."""
-    s = head.col_logits(x_R, 0, head.vocab)
-    if b_V is not None:
-        s = s + b_V.astype(s.dtype)
-    if o.softcap is not None:
-        s = o.softcap * jnp.tanh(s / o.softcap)
-    return s, s / o.temperature
-
-
-def _times_p(p, a):
-    """p a, 0 where p is (a class masked by a -inf logit, whose log-probability is -inf:
-    0 * -inf would be NaN)."""
-    return jnp.where(p == 0, 0, p * a)
-
-
-def _target_rows(y_R, vocab: int, o: LogProbsOptions):
-    """(valid, in_range, safe_y) of a block's targets."""
-    valid, in_range = y_R != o.ignore_index, (y_R >= 0) & (y_R < vocab)
-    return valid, in_range, jnp.where(in_range, y_R, 0)
-
-
-def _forward(x_ND, W, b_V, y_N, cfg: LogProbsConfig):
+def _forward(x_ND, W, b_V, y_N, cfg: DistillConfig):
     """(log_probs, entropy, argmax, lse), per row."""
-    o, head = cfg.options, cfg.head(x_ND, W, b_V)
+    o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
 
     def row_step(carry, xs):
         x_R, y_R = xs
-        _, u = _scaled(head, x_R, b_V, o)
-        lse = jax.nn.logsumexp(u, axis=1)
-        valid, in_range, safe_y = _target_rows(y_R, cfg.vocab, o)
-        logp = jnp.take_along_axis(u, safe_y[:, None], axis=1)[:, 0] - lse
-        logp = jnp.where(valid, jnp.where(in_range, logp, jnp.nan), 0)
-        log_p = u - lse[:, None]  # H = -sum p log p: no cancellation of lse against E[u]
-        entropy = -_times_p(jnp.exp(log_p), log_p).sum(1) if cfg.with_entropy else jnp.zeros_like(lse)
-        return carry, (logp, entropy, jnp.argmax(u, axis=1).astype(jnp.int32), lse)
+        R = x_R.shape[0]
+        ninf, zeros = jnp.full((R,), -jnp.inf, wide), jnp.zeros((R,), wide)
+        running = (ninf, zeros, zeros, ninf, jnp.full((R,), NO_COLUMN, jnp.int32), zeros)
+        m, l, a, _, argmax, u_y = head.col_loop(
+            lambda v0, cols, run: ops.log_prob_stats(head.logits(x_R, head.head_cols(v0, cols)), v0, b_V, y_R, run,
+                                                     o.softcap, 1.0 / o.temperature), running)
+        # lse = m + log l; H = lse - E[u] = log l - a / l: two small terms, where lse and
+        # E[u] of a peaked row are large and nearly equal
+        lse, entropy = m + jnp.log(l), jnp.log(l) - a / l
+        valid, in_range = y_R != o.ignore_index, (y_R >= 0) & (y_R < cfg.vocab)
+        logp = jnp.where(valid, jnp.where(in_range, u_y - lse, jnp.nan), 0)
+        return carry, (logp, entropy, argmax, lse)
 
     return row_loop(row_step, (), (x_ND, y_N), x_ND.shape[0], cfg.block_rows)[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def log_probs(x_ND, W, b_V, y_N, cfg: LogProbsConfig):
-    """(log_probs [N], entropy [N] (zeros unless cfg.with_entropy), argmax [N] int32) over
-    flattened rows x [N, D] and int32 targets y [N]; fp32 (fp64 for fp64 inputs)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def log_probs(x_ND, W, b_V, y_N, cfg: DistillConfig, with_entropy: bool):
+    """(log_probs [N], entropy [N], argmax [N] int32) over flattened rows x [N, D] and int32
+    targets y [N]; fp32 (fp64 for fp64 inputs). with_entropy: whether the entropy's upstream
+    gradient is used."""
     return _forward(x_ND, W, b_V, y_N, cfg)[:3]
 
 
-def _fwd(x_ND, W, b_V, y_N, cfg):
+def _fwd(x_ND, W, b_V, y_N, cfg, with_entropy):
     logp, entropy, argmax, lse = _forward(x_ND, W, b_V, y_N, cfg)
-    return (logp, entropy, argmax), (x_ND, W, b_V, y_N, lse)
+    return (logp, entropy, argmax), (x_ND, W, b_V, y_N, lse, entropy)
 
 
-def _bwd(cfg, res, cotangents):
-    x_ND, W, b_V, y_N, lse = res
+def _bwd(cfg, with_entropy, res, cotangents):
+    x_ND, W, b_V, y_N, lse, entropy = res
     g_lp, g_H, _ = cotangents
-    o, head, wide = cfg.options, cfg.head(x_ND, W, b_V), lse.dtype
+    o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), lse.dtype
+    valid, in_range = y_N != o.ignore_index, (y_N >= 0) & (y_N < cfg.vocab)
+    g_lp = jnp.where(valid, jnp.where(in_range, g_lp.astype(wide), jnp.nan), 0)
 
     def row_step(carry, xs):
-        x_R, y_R, lse_R, g_lp_R, g_H_R = xs
-        s, u = _scaled(head, x_R, b_V, o)
-        valid, in_range, safe_y = _target_rows(y_R, cfg.vocab, o)
-        g_lp_R = jnp.where(valid, jnp.where(in_range, g_lp_R.astype(wide), jnp.nan), 0)
-        log_p = u - lse_R[:, None]
-        p = jnp.exp(log_p)
-        du = -g_lp_R[:, None] * p
-        if cfg.with_entropy:  # dH/du_j = -p_j (u_j - sum_k p_k u_k) = -p_j (log p_j + H)
-            neg_H = _times_p(p, log_p).sum(1, keepdims=True)
-            du = du - g_H_R.astype(wide)[:, None] * _times_p(p, log_p - neg_H)
-        one_hot = jnp.arange(cfg.vocab)[None, :] == safe_y[:, None]
-        du = du + jnp.where(one_hot & in_range[:, None], g_lp_R[:, None], 0)
-        dz = du / o.temperature
-        if o.softcap is not None:
-            dz = dz * (1 - (s / o.softcap) ** 2)
-        dW, db, dx_R = head.add_shares(dz, x_R, 0, cfg.vocab, *carry, jnp.zeros(x_R.shape, wide))
+        x_R, y_R, lse_R, entropy_R, g_R, g_h_R = xs
+
+        def body(v0, cols, c):
+            dz = ops.log_prob_grad(head.logits(x_R, head.head_cols(v0, cols)), v0, b_V, y_R, lse_R, entropy_R, g_R,
+                                   g_h_R if with_entropy else None, o.softcap, 1.0 / o.temperature)
+            return head.add_shares(dz, x_R, v0, cols, *c)
+
+        dW, db, dx_R = head.col_loop(body, carry + (jnp.zeros(x_R.shape, wide),))
         return (dW, db), (dx_R.astype(x_R.dtype),)
 
-    acc = W.dtype if cfg.accumulate_in_input_dtype else compute_dtype(W.dtype)
-    db = None if b_V is None else jnp.zeros(b_V.shape, compute_dtype(b_V.dtype))
-    (dW, db), (dx,) = row_loop(row_step, (jnp.zeros(W.shape, acc), db), (x_ND, y_N, lse, g_lp, g_H), x_ND.shape[0],
-                               cfg.block_rows)
+    db = None if b_V is None else jnp.zeros(b_V.shape, wide)
+    per_row = (x_ND, y_N, lse, entropy, g_lp, g_H.astype(wide))
+    (dW, db), (dx,) = row_loop(row_step, (jnp.zeros(W.shape, cfg.accumulate_dtype(W.dtype)), db), per_row,
+                               x_ND.shape[0], cfg.block_rows)
     return dx, dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype), None
 
 
@@ -139,8 +103,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
     linear_bias [V]; u = softcap(input @ W^T + b) / temperature. Differentiable in input,
     linear_weight and linear_bias (`jax.custom_vjp`); usable under `jax.jit`, where a
     target out of [0, V) that is not ignore_index gives a NaN log-probability instead of
-    the eager call's ValueError. strategy: "auto" or "chunked" (blocks of whole rows in
-    jax.numpy).
+    the eager call's ValueError. strategy: as for `jax_impl.linear_cross_entropy`.
 
     Returns:
         log-probabilities [...] in fp32 (fp64 for fp64 input), 0 where ignored; with
@@ -148,7 +111,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
         asked for: the entropy of every row, argmax int32 (the first of equal maxima).
     """
     o = LogProbsOptions(temperature, softcap, ignore_index)
-    check_log_probs_strategy(strategy)
+    check_strategy(strategy)
     tuning = check_tuning(tuning)
     input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
     target, linear_bias = as_array("target", target), maybe_array("linear_bias", linear_bias)
@@ -159,12 +122,13 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
     _check_target_range(target, shape.vocab, o.ignore_index)
     n = shape.n_rows
     y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, o.ignore_index)
-    cfg = LogProbsConfig(dataclasses.replace(o, ignore_index=ignore32), weight_layout,
-                         chunk_rows(tuning, n, shape.hidden, shape.vocab), shape.vocab, return_entropy,
-                         accumulate_in_input_dtype)
+    platform = platform_of(input)
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, shape.vocab, platform, tuning)
+    cfg = plan_distillation(tuning, dataclasses.replace(o, ignore_index=ignore32), weight_layout, strategy, n,
+                            shape.hidden, shape.vocab, input.dtype, accumulate_in_input_dtype, platform)
 
     def rows(x, W, b, y):
-        outs = log_probs(x.reshape(n, shape.hidden), W, b, y, cfg)
+        outs = log_probs(x.reshape(n, shape.hidden), W, b, y, cfg, return_entropy)
         return tuple(a.reshape(shape.lead_shape) for a in outs)
 
     logp, entropy, argmax = on_mesh(rows, (input, linear_weight, linear_bias, y), lambda: (row_spec(input),) * 3)

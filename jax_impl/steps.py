@@ -6,7 +6,8 @@ jax.numpy (`XlaOps`, the fallback: fp32 logits, fp64 for fp64 inputs). `jax_impl
 Each step takes one logits block z [R, C] (columns v0..v0+C, no bias) and per-row vectors;
 "stats" return the running (m, l of scale * s, s at the target, ws) with the block merged in,
 where ws is the class-weighted sum of s (cw [V] or ones), accumulated only with need_ws;
-"grad" returns dz, with the class-weighted term S cw_j when given S.
+"grad" returns dz, with the class-weighted term S cw_j when given S. The "log_prob" steps
+do the same for `linear_log_probs` (`jax_impl.log_probs_kernels`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_impl import kernels, pair_kernels
+from jax_impl import kernels, log_probs_kernels, pair_kernels
 
 
 class KernelOps:
@@ -41,6 +42,13 @@ class KernelOps:
 
     def pair_grad(self, s, t, lse_s, lse_t, b_R, coef_R, o):
         return pair_kernels.pair_grad(s, t, lse_s, lse_t, b_R, coef_R, o.divergence, o.temperature, o.beta, self.interpret)
+
+    def log_prob_stats(self, z, v0, b_V, y_R, running, softcap, inv_t: float):
+        return log_probs_kernels.log_prob_stats(z, kernels.v0_array(v0), b_V, y_R, running, softcap, inv_t, self.interpret)
+
+    def log_prob_grad(self, z, v0, b_V, y_R, lse_R, entropy_R, g_R, g_h_R, softcap, inv_t: float):
+        return log_probs_kernels.log_prob_grad(z, kernels.v0_array(v0), b_V, y_R, lse_R, entropy_R, g_R, g_h_R, softcap,
+                                               inv_t, self.interpret)
 
 
 def _cols(a_V, v0, z):
@@ -111,6 +119,30 @@ class XlaOps:
         else:
             g = (1 - o.beta) * jnp.exp(lq) * (lq - _log_mix(lq, lp, o.beta) - b_R[:, None])
         return coef_R[:, None] * g
+
+    def log_prob_stats(self, z, v0, b_V, y_R, running, softcap, inv_t: float):
+        m, l, a, best, idx, u_y = running
+        u = _capped(z, v0, b_V, softcap) * inv_t
+        m_blk = u.max(axis=1)  # NaN propagates
+        safe = jnp.where(m_blk == -jnp.inf, 0.0, m_blk)[:, None]
+        e = jnp.exp(u - safe)
+        m, l, a = log_probs_kernels.merge_running(m, l, a, m_blk, e.sum(1), jnp.where(e == 0, 0, e * (u - safe)).sum(1))
+        # argmax: the first maximum, a NaN first; earlier blocks keep ties
+        best, idx = log_probs_kernels.larger_first(best, idx, u.max(axis=1), (jnp.argmax(u, axis=1) + v0).astype(idx.dtype))
+        inside, u_at_y, _ = _at_target(u, v0, y_R)
+        return m, l, a, best, idx, u_y + jnp.where(inside, u_at_y, 0)
+
+    def log_prob_grad(self, z, v0, b_V, y_R, lse_R, entropy_R, g_R, g_h_R, softcap, inv_t: float):
+        s = _capped(z, v0, b_V, softcap)
+        log_p = s * inv_t - lse_R[:, None]
+        p = jnp.exp(log_p)
+        du = -g_R[:, None] * p
+        if g_h_R is not None:  # dH/du_j = -p_j (log p_j + H)
+            du = du - g_h_R[:, None] * jnp.where(p == 0, 0, p * (log_p + entropy_R[:, None]))
+        inside, _, col = _at_target(s, v0, y_R)
+        du = du + jnp.where(inside[:, None] & (jnp.arange(s.shape[1])[None, :] == col[:, None]), g_R[:, None], 0)
+        dz = du * inv_t
+        return dz if softcap is None else dz * (1 - (s / softcap) ** 2)
 
 
 def steps_of(strategy: str, interpret: bool):

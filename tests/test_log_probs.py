@@ -20,6 +20,9 @@ CASES = {
     "entropy-only-hot": (dict(temperature=0.5), dict(logit_scale=4.0), "entropy"),
 }
 FRAMEWORKS = ["torch", "jax"]
+STRATEGIES = ["speed", "memory", "chunked"]
+# (framework, strategy) pairs; SMALL blocks make "memory" span several vocabulary blocks
+RUNS = [("torch", s) for s in STRATEGIES] + [("jax", s) for s in STRATEGIES]
 
 
 def _problem(case: str, dtype: str, layout: str = "VD"):
@@ -37,7 +40,7 @@ def _reference(p, options, g_lp, g_H):
                                       grad_log_probs=g_lp, grad_entropy=g_H, **options)
 
 
-def run_torch(p, options, g_lp, g_H, device="cpu", layouts=None):
+def run_torch(p, options, g_lp, g_H, device="cpu", layouts=None, strategy="auto"):
     """{"log_probs", "entropy", "argmax", "grad_x", "grad_W", "grad_b"} as numpy."""
     import torch_impl
 
@@ -48,7 +51,7 @@ def run_torch(p, options, g_lp, g_H, device="cpu", layouts=None):
     b = None if p.b is None else lay("b", torch.tensor(p.b, device=device).to(dtype)).requires_grad_()
     y = lay("y", torch.tensor(p.y, device=device))
     lp, H, am = torch_impl.linear_log_probs(x, W, y, linear_bias=b, weight_layout=p.weight_layout, return_entropy=True,
-                                            return_argmax=True, tuning=SMALL, **options)
+                                            return_argmax=True, strategy=strategy, tuning=SMALL, **options)
     outs, grads = [], []
     for out, g in ((lp, g_lp), (H, g_H)):
         if g is not None:
@@ -61,7 +64,7 @@ def run_torch(p, options, g_lp, g_H, device="cpu", layouts=None):
     return {k: v.detach().cpu().numpy() if k == "argmax" else v.detach().double().cpu().numpy() for k, v in got.items()}
 
 
-def run_jax(p, options, g_lp, g_H):
+def run_jax(p, options, g_lp, g_H, strategy="auto"):
     import jax
     import jax.numpy as jnp
 
@@ -73,7 +76,7 @@ def run_jax(p, options, g_lp, g_H):
     def f(x, W, b=None):
         return jax_impl.linear_log_probs(x, W, jnp.asarray(p.y.astype(np.int32)), linear_bias=b,
                                          weight_layout=p.weight_layout, return_entropy=True, return_argmax=True,
-                                         tuning=SMALL, **options)
+                                         strategy=strategy, tuning=SMALL, **options)
 
     (lp, H, am), vjp = jax.vjp(f, *args)
     zeros = np.zeros(p.y.shape)
@@ -121,43 +124,54 @@ def test_reference_matches_float64_autograd(case):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def run(framework: str, strategy: str, p, options, g_lp, g_H, device="cpu"):
+    if framework == "torch":
+        return run_torch(p, options, g_lp, g_H, device, strategy=strategy)
+    return run_jax(p, options, g_lp, g_H, strategy)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_matches_reference(framework, case, dtype):
-    if framework == "jax" and dtype == "float64":
-        pytest.skip("JAX computes float64 only with jax_enable_x64")
+@pytest.mark.parametrize("framework, strategy", RUNS)
+def test_matches_reference(framework, strategy, case, dtype):
     p, options, g_lp, g_H = _problem(case, dtype)
-    got = run_torch(p, options, g_lp, g_H) if framework == "torch" else run_jax(p, options, g_lp, g_H)
-    check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{framework}, {case}, {dtype}")
+    got = run(framework, strategy, p, options, g_lp, g_H)
+    check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{framework}, {strategy}, {case}, {dtype}")
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_dv_layout(framework):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float64_matches_reference(case):
+    """fp64 inputs (PyTorch; JAX computes fp64 only with jax_enable_x64) run "chunked" in fp64."""
+    p, options, g_lp, g_H = _problem(case, "float64")
+    check(run_torch(p, options, g_lp, g_H, strategy="speed"), _reference(p, options, g_lp, g_H), "float64", 1.0, case)
+
+
+@pytest.mark.parametrize("framework, strategy", RUNS)
+def test_dv_layout(framework, strategy):
     p, options, g_lp, g_H = _problem("T0.7-bias", "float32", "DV")
-    got = run_torch(p, options, g_lp, g_H) if framework == "torch" else run_jax(p, options, g_lp, g_H)
-    check(got, _reference(p, options, g_lp, g_H), "float32", 1.0, f"{framework}, DV")
+    check(run(framework, strategy, p, options, g_lp, g_H), _reference(p, options, g_lp, g_H), "float32", 1.0,
+          f"{framework}, {strategy}, DV")
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("layouts", [dict(x="transposed", W="offset", b="expanded", y="strided"),
                                      dict(x="column", W="transposed", b="strided", y="offset")])
-def test_views_give_what_their_copies_give(layouts):
+def test_views_give_what_their_copies_give(layouts, strategy):
     p, options, g_lp, g_H = _problem("T0.7-bias", "float32")
-    got = run_torch(p, options, g_lp, g_H, layouts=layouts)
+    got = run_torch(p, options, g_lp, g_H, layouts=layouts, strategy=strategy)
     if layouts.get("b") == "expanded":  # an expanded bias holds its first entry everywhere
         p.b = np.full_like(p.b, p.b[0])
     check(got, _reference(p, options, g_lp, g_H), "float32", 1.0, str(layouts))
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_nan_in_the_head_and_a_masking_bias(framework):
+@pytest.mark.parametrize("framework, strategy", RUNS)
+def test_nan_in_the_head_and_a_masking_bias(framework, strategy):
     """A NaN in one class of the head makes every row's log-probability and entropy NaN
     (ignored rows keep a log-probability of 0); a bias of -inf on some classes (masked
     tokens) leaves everything finite and equal to the reference."""
     p, options, g_lp, g_H = _problem("T0.7-bias", "float32")
     p.b[[4, 17, 30]] = -np.inf
-    run = run_torch if framework == "torch" else run_jax
-    got = run(p, options, g_lp, g_H)
+    got = run(framework, strategy, p, options, g_lp, g_H)
     ref = _reference(p, options, g_lp, g_H)
     assert np.isfinite(got["entropy"]).all() and np.isfinite(got["grad_W"]).all()
     check(got, ref, "float32", 1.0, "masking bias")
@@ -165,7 +179,7 @@ def test_nan_in_the_head_and_a_masking_bias(framework):
     W = p.W.copy()
     W[9, 2] = np.nan
     p.W = W
-    got = run(p, options, g_lp, g_H)
+    got = run(framework, strategy, p, options, g_lp, g_H)
     valid = p.y != -100
     assert np.isnan(got["log_probs"][valid]).all() and (got["log_probs"][~valid] == 0).all()
     assert np.isnan(got["entropy"]).all()
@@ -180,7 +194,7 @@ def test_return_flags_and_arguments():
     assert lp.shape == y.shape
     lp2, am = torch_impl.linear_log_probs(x, W, y, return_argmax=True)
     assert torch.equal(lp, lp2) and am.shape == y.shape
-    for kwargs, match in ((dict(strategy="speed"), "strategy"), (dict(temperature=0.0), "temperature"),
+    for kwargs, match in ((dict(strategy="fast"), "strategy"), (dict(temperature=0.0), "temperature"),
                           (dict(softcap=-1.0), "softcap"), (dict(weight_layout="DV"), "D=")):
         with pytest.raises(ValueError, match=match):
             torch_impl.linear_log_probs(x, W, y, **kwargs)
@@ -208,14 +222,18 @@ def test_jax_target_out_of_range_raises_eagerly_and_gives_nan_under_jit():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_on_the_gpu(framework):
-    """Every case, bf16 and fp32, on the GPU (PyTorch on CUDA, JAX on its default GPU)."""
+@pytest.mark.parametrize("framework, strategy", RUNS)
+def test_on_the_gpu(framework, strategy):
+    """Every case, bf16 and fp32, on the GPU (PyTorch on CUDA, JAX on its default GPU), the
+    "DV" layout and a masking bias."""
     for case in CASES:
         for dtype in ("bfloat16", "float32"):
             p, options, g_lp, g_H = _problem(case, dtype)
-            got = run_torch(p, options, g_lp, g_H, "cuda") if framework == "torch" else run_jax(p, options, g_lp, g_H)
-            check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{framework}, {case}, {dtype}")
+            got = run(framework, strategy, p, options, g_lp, g_H, "cuda")
+            check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{framework}, {strategy}, {case}, {dtype}")
+    p, options, g_lp, g_H = _problem("T0.7-bias", "float32", "DV")
+    p.b[[4, 17, 30]] = -np.inf
+    check(run(framework, strategy, p, options, g_lp, g_H, "cuda"), _reference(p, options, g_lp, g_H), "float32", 1.0, "DV")
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -2,71 +2,62 @@
 the argmax of the softmax at a temperature, without the N x V logits (interop/SPEC.md,
 "Log-probabilities"): what RL and preference losses (GRPO, PPO, DPO) read from a policy.
 
-Over blocks of whole rows (`torch_impl.blocks.HeadBlocks`, the "chunked" plan) each block's
-logits are made in fp32 (fp64 for fp64 inputs), reduced to the per-row outputs and dropped;
-the backward pass recomputes them and turns the upstream gradients of the log-probabilities
-and of the entropy into dz (the same "multiple of p, multiple of p*u, one-hot" shape as
-cross-entropy's), whose products give grad_input and an fp32 grad_weight.
+The block loop of cross-entropy's fallback (`torch_impl.stepped`) with the "log_prob" steps
+of `torch_impl.steps`: on the Triton kernels (`speed`: blocks of whole rows; `memory`: blocks
+of rows and vocabulary columns) or in PyTorch ops (`chunked`). The forward pass merges each
+block of logits into per-row running statistics (max, sum of exponentials, their u-weighted
+sum, the largest logit and its column, the target's logit) and keeps lse and the entropy; the
+backward pass recomputes each block and turns the upstream gradients of the log-probabilities
+and of the entropy into dz, whose products give grad_input and an fp32 grad_weight. Nothing
+is computed in the forward pass for the backward: the upstream gradients are not known then.
 """
 
 from __future__ import annotations
 
 import torch
 
-from interop.log_probs import LogProbsOptions, check_log_probs_strategy
-from interop.options import check_inputs, check_tuning, target_out_of_range_message
+from interop.log_probs import LogProbsOptions
+from interop.options import check_inputs, check_strategy, check_tuning, target_out_of_range_message
 from interop.tuning import Tuning
 from torch_impl.arguments import check_tensors, dense
 from torch_impl.autograd import first_order_only
-from torch_impl.blocks import HeadBlocks, final_grad
+from torch_impl.blocks import BlockPlan, HeadBlocks, final_grad
 from torch_impl.distillation import _autocast
-from torch_impl.functional import dtype_name
+from torch_impl.functional import choose_strategy, dtype_name
 from torch_impl.rows import compute_dtype
-from torch_impl.steps import plan_steps
+from torch_impl.steps import TorchOps, plan_steps
 
 SECOND_ORDER_MESSAGE = "logitless: linear_log_probs gives first-order gradients only"
 
 
-def _scaled(z, b_V, o: LogProbsOptions):
-    """(s, u): the soft-capped logits with the bias, and u = s / T."""
-    s = z if b_V is None else z + b_V.to(z.dtype)
-    if o.softcap is not None:
-        s = o.softcap * torch.tanh(s / o.softcap)
-    return s, s / o.temperature
-
-
-def _times_p(p, a):
-    """p a, 0 where p is (a class masked by a -inf logit, whose log-probability is -inf:
-    0 * -inf would be NaN)."""
-    return torch.where(p == 0, torch.zeros_like(p), p * a)
+def _blocks(x_ND, W, b_V, layout: str, plan: BlockPlan, ops) -> HeadBlocks:
+    return HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=compute_dtype(x_ND.dtype) if ops is TorchOps else None)
 
 
 class LinearLogProbs(torch.autograd.Function):
     """Over flattened rows x [N, D], the head W, its bias and targets y [N] (int64); returns
-    (log-probabilities [N], entropy [N] or an empty tensor, argmax [N] int64) in the compute
+    (log-probabilities [N], entropy [N], argmax [N] int64), the first two in the compute
     dtype (fp32, fp64 for fp64)."""
 
     @staticmethod
-    def forward(ctx, x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan, with_entropy: bool):
-        wide = compute_dtype(x_ND.dtype)
-        blocks = HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=wide)
-        n, vocab = x_ND.shape[0], blocks.vocab
-        valid, in_range = y_N != o.ignore_index, (y_N >= 0) & (y_N < vocab)
-        safe_y = torch.where(in_range, y_N, torch.zeros_like(y_N))
-        lse = torch.empty(n, dtype=wide, device=x_ND.device)
-        logp, argmax = torch.empty_like(lse), torch.empty(n, dtype=torch.int64, device=x_ND.device)
-        entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
+    def forward(ctx, x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan, ops):
+        wide, n, dev = compute_dtype(x_ND.dtype), x_ND.shape[0], x_ND.device
+        blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
+        m, best = (torch.full((n,), -torch.inf, dtype=wide, device=dev) for _ in range(2))
+        l, a, u_y = (torch.zeros(n, dtype=wide, device=dev) for _ in range(3))
+        argmax = torch.zeros(n, dtype=torch.int64, device=dev)
         for rs in blocks.row_blocks():
-            _, u = _scaled(blocks.logits(rs, 0, vocab), b_V, o)
-            lse[rs] = torch.logsumexp(u, dim=1)
-            argmax[rs] = u.argmax(dim=1)
-            logp[rs] = u.gather(1, safe_y[rs, None])[:, 0] - lse[rs]
-            if with_entropy:
-                log_p = u - lse[rs, None]  # H = -sum p log p: no cancellation of lse against E[u]
-                entropy[rs] = -_times_p(torch.exp(log_p), log_p).sum(1)
-        logp = torch.where(valid, torch.where(in_range, logp, torch.full_like(logp, torch.nan)), torch.zeros_like(logp))
-        ctx.save_for_backward(x_ND, W, b_V, y_N, lse)
-        ctx.args = (o, layout, plan)
+            for v0, cols in blocks.col_blocks():
+                ops.log_prob_stats_(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs],
+                                    (m[rs], l[rs], a[rs], best[rs], argmax[rs], u_y[rs]), o.softcap, 1.0 / o.temperature)
+        blocks = None
+        # lse = m + log l; with E[u] = m + a / l, H = lse - E[u] = log l - a / l: two small
+        # terms, where lse and E[u] of a peaked row are large and nearly equal.
+        lse, entropy = m + torch.log(l), torch.log(l) - a / l
+        valid, in_range = y_N != o.ignore_index, (y_N >= 0) & (y_N < W.shape[0 if layout == "VD" else 1])
+        logp = torch.where(valid, torch.where(in_range, u_y - lse, torch.full_like(lse, torch.nan)), torch.zeros_like(lse))
+        ctx.save_for_backward(x_ND, W, b_V, y_N, lse, entropy)
+        ctx.args = (o, layout, plan, ops, valid, in_range)
         ctx.mark_non_differentiable(argmax)
         ctx.set_materialize_grads(False)
         return logp, entropy, argmax
@@ -78,36 +69,33 @@ class LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_logp, grad_entropy):
         none = (None,) * 5
-        if grad_logp is None and (grad_entropy is None or grad_entropy.numel() == 0):
+        if grad_logp is None and grad_entropy is None:
             return (None, None, None) + none
-        x_ND, W, b_V, y_N, lse = ctx.saved_tensors
-        o, layout, plan = ctx.args
+        x_ND, W, b_V, y_N, lse, entropy = ctx.saved_tensors
+        o, layout, plan, ops, valid, in_range = ctx.args
         wide = lse.dtype
-        blocks = HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=wide)
-        vocab = blocks.vocab
-        valid, in_range = y_N != o.ignore_index, (y_N >= 0) & (y_N < vocab)
-        g_lp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(wide)
-        g_lp = torch.where(valid, torch.where(in_range, g_lp, torch.full_like(g_lp, torch.nan)), torch.zeros_like(g_lp))
-        g_H = None if grad_entropy is None or grad_entropy.numel() == 0 else grad_entropy.to(wide)
-        safe_y = torch.where(in_range, y_N, torch.zeros_like(y_N))[:, None]
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(wide)
+        g = torch.where(valid, torch.where(in_range, g, torch.full_like(g, torch.nan)), torch.zeros_like(g)).contiguous()
+        g_h = None if grad_entropy is None else grad_entropy.to(wide).contiguous()
+        blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
         need_x, need_W, need_b = ctx.needs_input_grad[:3]
         _, _, dW, db = blocks.gradient_buffers(False, need_W, need_b)
-        dx = torch.empty_like(x_ND) if need_x else None
+        # Blocks of whole rows write their rows of grad_input once; blocks of partial rows
+        # add their shares in an fp32 accumulator, rounded once.
+        summed = not blocks.whole_rows
+        dx = None
+        if need_x:
+            dx = torch.zeros(x_ND.shape, dtype=wide, device=x_ND.device) if summed else torch.empty_like(x_ND)
         for rs in blocks.row_blocks():
-            s, u = _scaled(blocks.logits(rs, 0, vocab), b_V, o)
-            log_p = u - lse[rs, None]
-            p = torch.exp(log_p)
-            du = -g_lp[rs, None] * p
-            if g_H is not None:  # dH/du_j = -p_j (u_j - sum_k p_k u_k) = -p_j (log p_j + H)
-                neg_H = _times_p(p, log_p).sum(1, keepdim=True)
-                du -= g_H[rs, None] * _times_p(p, log_p - neg_H)
-            du.scatter_add_(1, safe_y[rs], torch.where(in_range[rs], g_lp[rs], torch.zeros_like(g_lp[rs]))[:, None])
-            dz = du / o.temperature
-            if o.softcap is not None:
-                dz = dz * (1 - (s / o.softcap) ** 2)
-            blocks.add_grads(dz, rs, 0, vocab, None, dW, db)
-            if need_x:
-                dx[rs] = dz.to(W.dtype) @ blocks.head_cols(0, vocab)
+            for v0, cols in blocks.col_blocks():
+                dz = ops.log_prob_grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], lse[rs], entropy[rs], g[rs],
+                                       None if g_h is None else g_h[rs], o.softcap, 1.0 / o.temperature)
+                blocks.add_grads(dz, rs, v0, cols, dx[rs] if summed and need_x else None, dW, db, dx_accumulate=True)
+                if need_x and not summed:
+                    dx[rs] = dz.to(W.dtype) @ blocks.head_cols(v0, cols)
+        dz = blocks = None
+        if dx is not None and summed:
+            dx = dx.to(x_ND.dtype)
         return (dx, final_grad(dW, W), final_grad(db, b_V)) + none
 
 
@@ -145,7 +133,8 @@ def linear_log_probs(
         return_argmax: also return argmax [...] (int64; the first of equal maxima; a row
             holding NaN gives a NaN's index), e.g. for token accuracy.
         weight_layout, accumulate_in_input_dtype, tuning: as for linear_cross_entropy.
-        strategy: "auto" or "chunked": blocks of whole rows in PyTorch ops.
+        strategy: "auto", "speed", "memory" or "chunked", as for linear_cross_entropy
+            (its backward pass recomputes the logits: 8 N D V flops).
 
     Returns:
         log-probabilities [...] in fp32 (fp64 for fp64 input); with return_entropy and/or
@@ -156,7 +145,7 @@ def linear_log_probs(
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias))
     input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
     o = LogProbsOptions(temperature, softcap, ignore_index)
-    check_log_probs_strategy(strategy)
+    check_strategy(strategy)
     tuning = check_tuning(tuning)
     shape = check_inputs(
         input_shape=tuple(input.shape), input_dtype=dtype_name(input.dtype), weight_shape=tuple(linear_weight.shape),
@@ -168,9 +157,11 @@ def linear_log_probs(
     if bool(bad.any()):
         raise ValueError(target_out_of_range_message(int(y_N[bad][0]), shape.vocab, o.ignore_index))
     x_ND = input.reshape(shape.n_rows, shape.hidden)
-    plan, _ = plan_steps(tuning, "chunked", shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype)
+    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab, tuning)
+    plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype,
+                           accumulate_in_input_dtype)
     logp, entropy, argmax = LinearLogProbs.apply(x_ND, linear_weight, dense(linear_bias), y_N, o, weight_layout, plan,
-                                                 return_entropy)
+                                                 ops)
     outs = [logp.reshape(shape.lead_shape)]
     if return_entropy:
         outs.append(entropy.reshape(shape.lead_shape))

@@ -7,7 +7,8 @@ cross-entropy on the kernels directly (its fused row kernels and gradient filter
 Each step works on one logits block z [R, C] (columns v0..v0+C, no bias) and per-row fp32
 (or fp64) vectors; "stats" merge the block into running (m, l) of scale * s, s at the
 target and, given ws, the class-weighted sum of s; "grad" returns dz (the kernels write it
-over z), with the class-weighted term S cw_j when given S.
+over z), with the class-weighted term S cw_j when given S. The "log_prob" steps do the same
+for `linear_log_probs` (`torch_impl.log_probs_kernels` says what they hold).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from torch_impl.blocks import BlockPlan
 from torch_impl.rows import compute_dtype
 
 try:
-    from torch_impl import kernels, pair_kernels
+    from torch_impl import kernels, log_probs_kernels, pair_kernels
 except ImportError:  # no Triton: TorchOps only ("chunked")
-    kernels = pair_kernels = None
+    kernels = log_probs_kernels = pair_kernels = None
 
 
 class KernelOps:
@@ -54,6 +55,15 @@ class KernelOps:
         pair_kernels.pair_grad_(s, t, s, lse_s, lse_t, b_R, coef_R, o.divergence, o.temperature, o.beta)
         return s
 
+    @staticmethod
+    def log_prob_stats_(z, v0, b_V, y_R, running, softcap, inv_t: float) -> None:
+        log_probs_kernels.log_prob_stats_(z, v0, b_V, y_R, running, softcap, inv_t)
+
+    @staticmethod
+    def log_prob_grad(z, v0, b_V, y_R, lse_R, entropy_R, g_R, g_h_R, softcap, inv_t: float):
+        log_probs_kernels.log_prob_grad_(z, z, v0, b_V, y_R, lse_R, entropy_R, g_R, g_h_R, softcap, inv_t)
+        return z
+
 
 def _capped(z, v0, b_V, softcap):
     s = z if b_V is None else z + b_V[v0 : v0 + z.shape[1]].to(z.dtype)
@@ -64,8 +74,57 @@ def _log_probs(s, t, lse_s, lse_t, o):
     return s / o.temperature - lse_s[:, None], t / o.temperature - lse_t[:, None]
 
 
+def _merge(m, l, a, m_new, l_new, a_new):
+    """(m, l, a) of two sets of values as one set's (`torch_impl.log_probs_kernels`)."""
+    big = torch.maximum(m, m_new)
+    safe = torch.where(big == -torch.inf, 0.0, big)
+    parts = []
+    for mx, lx, ax in ((m, l, a), (m_new, l_new, a_new)):
+        f = torch.exp(mx - safe)
+        seen = mx != -torch.inf
+        parts.append((torch.where(seen, lx * f, 0.0), torch.where(seen, f * (ax + lx * (mx - safe)), 0.0)))
+    return big, parts[0][0] + parts[1][0], parts[0][1] + parts[1][1]
+
+
+def _times_p(p, a):
+    """p a, 0 where p is (a class masked by a -inf logit, whose log-probability is -inf:
+    0 * -inf would be NaN)."""
+    return torch.where(p == 0, torch.zeros_like(p), p * a)
+
+
 def _log_mix(lq, lp, beta: float):
     return torch.logaddexp(lp + torch.log(torch.tensor(beta, dtype=lp.dtype)), lq + torch.log1p(torch.tensor(-beta, dtype=lq.dtype)))
+
+
+def _log_prob_stats_(z, v0, b_V, y_R, running, softcap, inv_t: float) -> None:
+    m, l, a, best, idx, u_y = running
+    u = _capped(z, v0, b_V, softcap) * inv_t
+    m_blk = u.max(dim=1).values  # NaN propagates
+    safe = torch.where(m_blk == -torch.inf, 0.0, m_blk)[:, None]
+    e = torch.exp(u - safe)
+    m_new, l_new, a_new = _merge(m, l, a, m_blk, e.sum(1), _times_p(e, u - safe).sum(1))
+    best_blk, idx_blk = u.max(dim=1)  # the first maximum (a NaN first); earlier blocks win ties
+    take = (best_blk > best) | (torch.isnan(best_blk) & ~torch.isnan(best))
+    best.copy_(torch.where(take, best_blk, best))
+    idx.copy_(torch.where(take, idx_blk + v0, idx))
+    m.copy_(m_new), l.copy_(l_new), a.copy_(a_new)
+    col = y_R - v0
+    inside = (col >= 0) & (col < z.shape[1])
+    u_y.add_(torch.where(inside, u.gather(1, col.clamp(0, z.shape[1] - 1)[:, None])[:, 0], torch.zeros_like(u_y)))
+
+
+def _log_prob_grad(z, v0, b_V, y_R, lse_R, entropy_R, g_R, g_h_R, softcap, inv_t: float):
+    s = _capped(z, v0, b_V, softcap)
+    log_p = s * inv_t - lse_R[:, None]
+    p = torch.exp(log_p)
+    du = -g_R[:, None] * p
+    if g_h_R is not None:  # dH/du_j = -p_j (log p_j + H)
+        du -= g_h_R[:, None] * _times_p(p, log_p + entropy_R[:, None])
+    col = y_R - v0
+    inside = (col >= 0) & (col < z.shape[1])
+    du.scatter_add_(1, col.clamp(0, z.shape[1] - 1)[:, None], torch.where(inside, g_R, torch.zeros_like(g_R))[:, None])
+    dz = du * inv_t
+    return dz if softcap is None else dz * (1 - (s / softcap) ** 2)
 
 
 class TorchOps:
@@ -129,6 +188,9 @@ class TorchOps:
         else:
             g = (1 - o.beta) * lq.exp() * (lq - _log_mix(lq, lp, o.beta) - b_R[:, None])
         return coef_R[:, None] * g
+
+    log_prob_stats_ = staticmethod(_log_prob_stats_)
+    log_prob_grad = staticmethod(_log_prob_grad)
 
 
 def plan_steps(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
