@@ -83,7 +83,7 @@ def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int) -> list[
         results.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
-        del model
+        model = step = None  # freed before the next method builds its model
     return results
 
 
