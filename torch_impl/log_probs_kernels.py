@@ -19,8 +19,6 @@ import triton.language as tl
 from interop.tuning import BLOCK_COLS
 from torch_impl.kernels import _capped_logits, _logits, _softcap_slope, _tanh, arg_or, nan_max, nan_max_reduce
 
-INF = float("inf")
-
 
 @triton.jit
 def _merge(m, l, a, m_new, l_new, a_new):
@@ -28,11 +26,11 @@ def _merge(m, l, a, m_new, l_new, a_new):
     # rescaled to the larger max (a = sum e^(u - m) (u - m) gains l (m - M) from the shift);
     # a set that saw only -inf adds nothing.
     big = nan_max(m, m_new)
-    safe = tl.where(big == -INF, 0.0, big)
+    safe = tl.where(big == -float("inf"), 0.0, big)
     f, f_new = tl.exp(m - safe), tl.exp(m_new - safe)
-    part = tl.where(m == -INF, 0.0, f * (a + l * (m - safe)))
-    part_new = tl.where(m_new == -INF, 0.0, f_new * (a_new + l_new * (m_new - safe)))
-    return big, tl.where(m == -INF, 0.0, l * f) + tl.where(m_new == -INF, 0.0, l_new * f_new), part + part_new
+    part = tl.where(m == -float("inf"), 0.0, f * (a + l * (m - safe)))
+    part_new = tl.where(m_new == -float("inf"), 0.0, f_new * (a_new + l_new * (m_new - safe)))
+    return big, tl.where(m == -float("inf"), 0.0, l * f) + tl.where(m_new == -float("inf"), 0.0, l_new * f_new), part + part_new
 
 
 @triton.jit
@@ -55,22 +53,22 @@ def _log_prob_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_zr
-    m_vec = tl.full([BLOCK], -INF, tl.float32)
+    m_vec = tl.full([BLOCK], -float("inf"), tl.float32)
     l_vec = tl.zeros([BLOCK], tl.float32)
     a_vec = tl.zeros([BLOCK], tl.float32)
-    best_vec = tl.full([BLOCK], -INF, tl.float32)
+    best_vec = tl.full([BLOCK], -float("inf"), tl.float32)
     idx_vec = tl.full([BLOCK], 2**62, tl.int64)
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
-        u = tl.where(mask, _capped_logits(z_row + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP) * inv_t, -INF)
-        m_vec, l_vec, a_vec = _merge(m_vec, l_vec, a_vec, u, tl.where(u == -INF, 0.0, 1.0), tl.zeros([BLOCK], tl.float32))
+        u = tl.where(mask, _capped_logits(z_row + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP) * inv_t, -float("inf"))
+        m_vec, l_vec, a_vec = _merge(m_vec, l_vec, a_vec, u, tl.where(u == -float("inf"), 0.0, 1.0), tl.zeros([BLOCK], tl.float32))
         best_vec, idx_vec = _best(best_vec, idx_vec, u, tl.where(mask, (v0 + offs).to(tl.int64), 2**62))
     m = nan_max_reduce(m_vec)
-    safe = tl.where(m == -INF, 0.0, m)
-    f = tl.where(m_vec == -INF, 0.0, tl.exp(m_vec - safe))
+    safe = tl.where(m == -float("inf"), 0.0, m)
+    f = tl.where(m_vec == -float("inf"), 0.0, tl.exp(m_vec - safe))
     l_blk = tl.sum(l_vec * f, axis=0)
-    a_blk = tl.sum(tl.where(m_vec == -INF, 0.0, f * (a_vec + l_vec * (m_vec - safe))), axis=0)
+    a_blk = tl.sum(tl.where(m_vec == -float("inf"), 0.0, f * (a_vec + l_vec * (m_vec - safe))), axis=0)
     best = nan_max_reduce(best_vec)
     tie = tl.where(best != best, best_vec != best_vec, best_vec == best)
     idx = tl.min(tl.where(tie, idx_vec, 2**62), axis=0)
