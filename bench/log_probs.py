@@ -123,7 +123,7 @@ def run_jax(shapes, repeat, log, only=None):
                           xt.double(), Wt.double(), yt, g_lp.double(), g_h.double())
         ref = [r.float().cpu().numpy() for r in ref]
         floor = xt.numel() * 2 + Wt.numel() * 2
-        x, W, y = (jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16) for t in (xt, Wt))
+        x, W = (jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16) for t in (xt, Wt))
         y = jnp.asarray(yt.cpu().numpy().astype(np.int32))
         gl, gh = jnp.asarray(g_lp.cpu().numpy()), jnp.asarray(g_h.cpu().numpy())
         del xt, Wt, yt

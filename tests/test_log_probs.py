@@ -251,3 +251,13 @@ def test_grpo_and_dpo_recipes_match_the_materialised_formulas(framework):
     spec.loader.exec_module(module)
     for name, diff in module.differences().items():
         assert diff <= 1e-5, (name, diff)
+
+
+def test_same_arguments_and_defaults_in_both_frameworks():
+    import inspect
+
+    import jax_impl
+    import torch_impl
+
+    params = lambda f: [(p.name, p.default) for p in inspect.signature(f).parameters.values()]
+    assert params(torch_impl.linear_log_probs) == params(jax_impl.linear_log_probs)

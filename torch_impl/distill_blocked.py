@@ -118,14 +118,14 @@ def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, s
     for rs in blocks.row_blocks():
         _, A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], s_y[rs], teacher, rs, o)
         g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
-        dx_out = dx[rs] if group is not None and dx is not None else _dx_out(blocks, dx, dx_acc, rs)
+        dx_out = dx[rs] if group is not None and dx is not None else dx_rows(blocks, dx, dx_acc, rs)
         for v0, cols in blocks.col_blocks():
             dz = ops.grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], o.softcap, 1.0 / o.temperature, lse_T[rs],
                           g.p1, g.ty, g.second)
             ops.put_(dz, v0, teacher.ids[rs], g.at_ids)
             blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None or group is not None)
         if group is None:
-            _store_dx(blocks, dx, dx_acc, dx_out, rs)
+            store_dx_rows(blocks, dx, dx_acc, dx_out, rs)
     if group is not None and dx is not None:
         dist.all_reduce(dx, group=group)  # every rank's classes' share of each row's gradient
         dx = dx.to(x_ND.dtype)
@@ -133,16 +133,17 @@ def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, s
     return dx, final_grad(dW, W), final_grad(db, b_V)
 
 
-def _dx_out(blocks: HeadBlocks, dx, dx_acc, rs):
+def dx_rows(blocks: HeadBlocks, dx, dx_acc, rs):
     """Where row block rs's grad_input shares go: the fp32 accumulator (rows spanning several
-    column blocks), else dx's rows (`HeadBlocks.dx_rows`); None without dx."""
+    column blocks), else dx's rows (`HeadBlocks.dx_rows`); None without dx. Shared by every
+    loss whose backward pass walks `HeadBlocks` with block steps."""
     if dx is None:
         return None
     return blocks.dx_rows(dx, rs) if dx_acc is None else dx_acc[: rs.stop - rs.start]
 
 
-def _store_dx(blocks: HeadBlocks, dx, dx_acc, dx_out, rs) -> None:
-    """After row block rs: `_dx_out`'s block into dx's rows (the accumulator zeroed for the next)."""
+def store_dx_rows(blocks: HeadBlocks, dx, dx_acc, dx_out, rs) -> None:
+    """After row block rs: `dx_rows`'s block into dx's rows (the accumulator zeroed for the next)."""
     if dx is None:
         return
     if dx_acc is None:
@@ -251,12 +252,12 @@ def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, voc
     coef_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_s.dtype) * (o.scale / o.temperature)
     dx, dx_acc, dW, _ = student.gradient_buffers(*need, False)
     for rs in student.row_blocks():
-        dx_out = _dx_out(student, dx, dx_acc, rs)
+        dx_out = dx_rows(student, dx, dx_acc, rs)
         for v0, cols in student.col_blocks():
             s, t = student.logits(rs, v0, cols), teacher.logits(rs, v0, cols)
             dz = ops.pair_grad(s, t, lse_s[rs], lse_t[rs], kl_q[rs], coef_N[rs], o)
             student.add_grads(dz, rs, v0, cols, dx_out, dW, None, dx_accumulate=dx_acc is not None)
-        _store_dx(student, dx, dx_acc, dx_out, rs)
+        store_dx_rows(student, dx, dx_acc, dx_out, rs)
     s = t = dz = student = teacher = dx_acc = None
     return dx, final_grad(dW, W)
 

@@ -22,6 +22,7 @@ from interop.tuning import Tuning
 from torch_impl.arguments import check_tensors, dense
 from torch_impl.autograd import first_order_only
 from torch_impl.blocks import BlockPlan, HeadBlocks, final_grad
+from torch_impl.distill_blocked import dx_rows, store_dx_rows
 from torch_impl.distillation import _autocast
 from torch_impl.functional import choose_strategy, dtype_name
 from torch_impl.rows import compute_dtype
@@ -78,24 +79,17 @@ class LinearLogProbs(torch.autograd.Function):
         g = torch.where(valid, torch.where(in_range, g, torch.full_like(g, torch.nan)), torch.zeros_like(g)).contiguous()
         g_h = None if grad_entropy is None else grad_entropy.to(wide).contiguous()
         blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
-        need_x, need_W, need_b = ctx.needs_input_grad[:3]
-        _, _, dW, db = blocks.gradient_buffers(False, need_W, need_b)
-        # Blocks of whole rows write their rows of grad_input once; blocks of partial rows
-        # add their shares in an fp32 accumulator, rounded once.
-        summed = not blocks.whole_rows
-        dx = None
-        if need_x:
-            dx = torch.zeros(x_ND.shape, dtype=wide, device=x_ND.device) if summed else torch.empty_like(x_ND)
+        # grad_input as the distillation losses form it: a row block's rows written once, or
+        # with partial rows summed over the column blocks in an fp32 accumulator of one row block
+        dx, dx_acc, dW, db = blocks.gradient_buffers(*ctx.needs_input_grad[:3])
         for rs in blocks.row_blocks():
+            dx_out = dx_rows(blocks, dx, dx_acc, rs)
             for v0, cols in blocks.col_blocks():
                 dz = ops.log_prob_grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], lse[rs], entropy[rs], g[rs],
                                        None if g_h is None else g_h[rs], o.softcap, 1.0 / o.temperature)
-                blocks.add_grads(dz, rs, v0, cols, dx[rs] if summed and need_x else None, dW, db, dx_accumulate=True)
-                if need_x and not summed:
-                    dx[rs] = dz.to(W.dtype) @ blocks.head_cols(v0, cols)
-        dz = blocks = None
-        if dx is not None and summed:
-            dx = dx.to(x_ND.dtype)
+                blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+            store_dx_rows(blocks, dx, dx_acc, dx_out, rs)
+        dz = blocks = dx_acc = None
         return (dx, final_grad(dW, W), final_grad(db, b_V)) + none
 
 
