@@ -1,8 +1,9 @@
 """The parity suite: the same buffers through `torch_impl` and `jax_impl`.
 
-For every case (tests.frameworks.CASES), dtype and strategy, the inputs are created once
-as torch tensors and handed to JAX through DLPack (interop.dlpack, no copy); both
-frameworks compute loss, lse and every gradient for the same upstream gradients. Each is
+For every case (tests.frameworks.CASES, and `LOG_PROBS_CASES` of `linear_log_probs`), dtype
+and strategy, the inputs are created once as torch tensors and handed to JAX through DLPack
+(interop.dlpack, no copy); both frameworks compute every output (loss and lse, or
+log-probabilities and entropy) and every gradient for the same upstream gradients. Each is
 compared with the float64 spec, and with the other: a disagreement between the two
 implementations, or an error against the spec, above the dtype's tolerance fails.
 
@@ -28,7 +29,12 @@ from interop.tuning import DEFAULT, Tuning
 from tests.frameworks import CASES, make_problem, reference, rel_err, seed_of, tolerance, torch_outputs, upstream_grads
 
 STRATEGIES = ("chunked", "speed", "memory")
-OUTPUTS = ("loss", "lse", "grad_x", "grad_W", "grad_b")
+OUTPUTS = ("loss", "lse", "log_probs", "entropy", "grad_x", "grad_W", "grad_b")
+# linear_log_probs: name -> (options, make_problem arguments)
+LOG_PROBS_CASES = {
+    "log-probs": (dict(), dict()),
+    "log-probs-T0.7-softcap-bias": (dict(temperature=0.7, softcap=4.0), dict(bias=True, logit_scale=3.0)),
+}
 
 
 def _torch_side(tensors, options, strategy, g_out, g_lse, tuning):
@@ -62,39 +68,85 @@ def _jax_side(arrays, options, strategy, g_out, g_lse, tuning):
     return {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in result.items()}
 
 
-def run_case(case: str, dtype: str, strategy: str, device: str, lead=(13,), hidden=19, vocab=53,
-             tuning: Tuning = DEFAULT) -> dict:
-    """Errors of both frameworks against the spec and against each other, for one case, both
-    planning their blocks with `tuning`."""
+def _shared(p, dtype: str, device: str):
+    """p's x, W, b (None) and int32 targets as torch tensors, and the same buffers as JAX arrays."""
     import torch
 
     from interop.dlpack import to_jax
 
-    options, problem_kwargs, with_lse = CASES[case]
-    problem_kwargs = dict(problem_kwargs)
-    lead = problem_kwargs.pop("lead", lead)
-    seed = seed_of(case, dtype, strategy)
-    p = make_problem(seed, lead=lead, hidden=hidden, vocab=vocab, dtype=dtype, **problem_kwargs)
-    g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
     tdt = getattr(torch, dtype)
     # Created once, in torch, and shared with JAX without a copy.
     tensors = [None if a is None else torch.tensor(a).to(device=device, dtype=tdt) for a in (p.x, p.W, p.b)]
     tensors.append(None if p.cw is None else torch.tensor(p.cw, device=device))
     tensors.append(torch.tensor(p.y.astype(np.int32), device=device))
-    arrays = [None if t is None else to_jax(t) for t in tensors]
-    ref = reference(p, options, g_out, g_lse)
-    spec = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
-    got_t = _torch_side(tensors, options, strategy, g_out, g_lse, tuning)
-    got_j = _jax_side(arrays, options, strategy, g_out, g_lse, tuning)
-    tol = tolerance(dtype, p.logit_scale)
+    return tensors, [None if t is None else to_jax(t) for t in tensors]
+
+
+def _compare(case, dtype, strategy, shape, tol, spec, got_t, got_j) -> dict:
     errors = {}
     for k in OUTPUTS:
         if k in got_t:
             errors[k] = {"torch": rel_err(got_t[k], spec[k]), "jax": rel_err(got_j[k], spec[k]),
                          "torch_vs_jax": rel_err(got_t[k], got_j[k])}
     failed = sorted(f"{k}:{side}" for k, e in errors.items() for side, v in e.items() if not v <= tol)
-    return {"case": case, "dtype": dtype, "strategy": strategy, "shape": [*lead, hidden, vocab], "tolerance": tol,
-            "errors": errors, "failed": failed}
+    return {"case": case, "dtype": dtype, "strategy": strategy, "shape": shape, "tolerance": tol, "errors": errors,
+            "failed": failed}
+
+
+def run_case(case: str, dtype: str, strategy: str, device: str, lead=(13,), hidden=19, vocab=53,
+             tuning: Tuning = DEFAULT) -> dict:
+    """Errors of both frameworks against the spec and against each other, for one case, both
+    planning their blocks with `tuning`."""
+    if case in LOG_PROBS_CASES:
+        return _run_log_probs_case(case, dtype, strategy, device, lead, hidden, vocab, tuning)
+    options, problem_kwargs, with_lse = CASES[case]
+    problem_kwargs = dict(problem_kwargs)
+    lead = problem_kwargs.pop("lead", lead)
+    seed = seed_of(case, dtype, strategy)
+    p = make_problem(seed, lead=lead, hidden=hidden, vocab=vocab, dtype=dtype, **problem_kwargs)
+    g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+    tensors, arrays = _shared(p, dtype, device)
+    ref = reference(p, options, g_out, g_lse)
+    spec = {"loss": ref.loss, "lse": ref.lse, "grad_x": ref.grad_input, "grad_W": ref.grad_weight, "grad_b": ref.grad_bias}
+    got_t = _torch_side(tensors, options, strategy, g_out, g_lse, tuning)
+    got_j = _jax_side(arrays, options, strategy, g_out, g_lse, tuning)
+    return _compare(case, dtype, strategy, [*lead, hidden, vocab], tolerance(dtype, p.logit_scale), spec, got_t, got_j)
+
+
+def _run_log_probs_case(case, dtype, strategy, device, lead, hidden, vocab, tuning) -> dict:
+    """`run_case` for `linear_log_probs`: log-probabilities and entropy, and the gradients of
+    random upstream gradients of both."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+    import torch_impl
+    from interop.log_probs_reference import linear_log_probs_reference
+
+    options, problem_kwargs = LOG_PROBS_CASES[case]
+    seed = seed_of(case, dtype, strategy)
+    p = make_problem(seed, lead=lead, hidden=hidden, vocab=vocab, dtype=dtype, **problem_kwargs)
+    rng = np.random.default_rng(seed + 1)
+    g_lp, g_h = rng.standard_normal(p.y.shape), rng.standard_normal(p.y.shape)
+    (x, W, b, _, y), arrays = _shared(p, dtype, device)
+    leaves = {k: None if t is None else t.detach().requires_grad_() for k, t in zip("xWb", (x, W, b))}
+    lp, H = torch_impl.linear_log_probs(leaves["x"], leaves["W"], y, linear_bias=leaves["b"], return_entropy=True,
+                                        strategy=strategy, tuning=tuning, **options)
+    got_t = torch_outputs(lp, H, leaves, g_lp, g_h)
+    got_t["log_probs"], got_t["entropy"] = got_t.pop("loss"), got_t.pop("lse")
+
+    def f(x, W, b):
+        return jax_impl.linear_log_probs(x, W, arrays[4], linear_bias=b, return_entropy=True, strategy=strategy,
+                                         tuning=tuning, **options)
+
+    (lp_j, H_j), vjp = jax.vjp(f, *arrays[:3])
+    grads = vjp((jnp.asarray(g_lp, lp_j.dtype), jnp.asarray(g_h, H_j.dtype)))
+    got_j = {"log_probs": lp_j, "entropy": H_j, **dict(zip(("grad_x", "grad_W", "grad_b"), grads))}
+    got_j = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in got_j.items() if v is not None}
+    ref = linear_log_probs_reference(p.x, p.W, p.y, linear_bias=p.b, grad_log_probs=g_lp, grad_entropy=g_h, **options)
+    spec = {"log_probs": ref.log_probs, "entropy": ref.entropy, "grad_x": ref.grad_input, "grad_W": ref.grad_weight,
+            "grad_b": ref.grad_bias}
+    return _compare(case, dtype, strategy, [*lead, hidden, vocab], tolerance(dtype, p.logit_scale), spec, got_t, got_j)
 
 
 def markdown(results: list[dict]) -> str:
@@ -149,7 +201,7 @@ def main(argv=None) -> int:
         if old.get("shape") == [args.rows, args.hidden, args.vocab] and old["environment"]["device"] == env["device"]:
             results = old["results"]
     done = {(r["case"], r["dtype"], r["strategy"]) for r in results}
-    for case in CASES:
+    for case in [*CASES, *LOG_PROBS_CASES]:
         for dtype in ("bfloat16", "float16", "float32"):
             for strategy in STRATEGIES:
                 if (case, dtype, strategy) in done:

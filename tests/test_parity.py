@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.frameworks import SMALL_BLOCKS
-from tests.parity import STRATEGIES, run_case
+from tests.parity import LOG_PROBS_CASES, STRATEGIES, run_case
 
-CPU_CASES = ["sum-bias", "everything-none-lse", "custom-ignore-index"]
+CPU_CASES = ["sum-bias", "everything-none-lse", "custom-ignore-index", *LOG_PROBS_CASES]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -17,7 +17,8 @@ CPU_CASES = ["sum-bias", "everything-none-lse", "custom-ignore-index"]
 def test_torch_and_jax_agree_on_shared_buffers(case, dtype, strategy):
     result = run_case(case, dtype, strategy, "cpu", tuning=SMALL_BLOCKS)
     assert not result["failed"], result
-    assert {"loss", "lse", "grad_x", "grad_W"} <= result["errors"].keys()
+    outputs = {"log_probs", "entropy"} if case in LOG_PROBS_CASES else {"loss", "lse"}
+    assert outputs | {"grad_x", "grad_W"} <= result["errors"].keys()
 
 
 def test_report_resumes_a_cut_run(tmp_path):
@@ -26,10 +27,10 @@ def test_report_resumes_a_cut_run(tmp_path):
     import json
 
     from tests.frameworks import CASES
-    from tests.parity import environment, main
+    from tests.parity import LOG_PROBS_CASES, environment, main
 
     shape = ["--rows", "13", "--hidden", "19", "--vocab", "53"]
-    keys = [(c, d, s) for c in CASES for d in ("bfloat16", "float16", "float32") for s in STRATEGIES]
+    keys = [(c, d, s) for c in [*CASES, *LOG_PROBS_CASES] for d in ("bfloat16", "float16", "float32") for s in STRATEGIES]
     kept = [{"case": c, "dtype": d, "strategy": s, "errors": {"loss": {"torch": 0.0, "jax": 0.0, "torch_vs_jax": 0.0}},
              "tolerance": 1.0, "failed": []} for c, d, s in keys[1:]]
     (tmp_path / "parity.json").write_text(json.dumps({"environment": environment("cpu"), "shape": [13, 19, 53],
