@@ -61,13 +61,13 @@ def both_losses(log_probs_fn, hidden, head, batch):
 def differences(seed: int = 0, B: int = 4, T: int = 16, D: int = 32, V: int = 1000) -> dict:
     """The largest absolute differences between the fused and the materialised recipes: each
     loss and its gradients with respect to the hidden states and the head."""
-    k = jax.random.split(jax.random.key(seed), 6)
+    k = jax.random.split(jax.random.key(seed), 7)
     head = jax.random.normal(k[0], (V, D)) / D**0.5
     hidden = jax.random.normal(k[1], (B, T, D))
     ids = jax.random.randint(k[2], (B, T), 0, V)
     mask = jnp.arange(T)[None, :] < jax.random.randint(k[3], (B,), 1, T + 1)[:, None]
     old = naive_policy_log_probs(hidden, head, ids, mask, 0.9)[0] + 0.05 * jax.random.normal(k[4], (B, T))
-    batch = (ids, mask, old, old + 0.1 * jax.random.normal(k[5], (B, T)), jax.random.normal(k[5], (B,)))
+    batch = (ids, mask, old, old + 0.1 * jax.random.normal(k[5], (B, T)), jax.random.normal(k[6], (B,)))
     out = {}
     for i, name in enumerate(("grpo", "dpo")):
         runs = [jax.value_and_grad(lambda h, w: both_losses(fn, h, w, batch)[i], argnums=(0, 1))(hidden, head)

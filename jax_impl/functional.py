@@ -49,7 +49,7 @@ def maybe_array(name: str, value):
     return None if value is None else as_array(name, value)
 
 
-def _check_target_range(y_N, vocab: int, ignore_index: int) -> None:
+def check_target_range(y_N, vocab: int, ignore_index: int) -> None:
     """Raise ValueError for a target outside [0, V) that is not ignore_index.
 
     Only for concrete arrays: under jit the target is a tracer, raising is impossible, and
@@ -193,7 +193,7 @@ def linear_cross_entropy(
         classes=None if vocab_parallel is None else _whole_vocab(linear_weight, weight_layout, vocab_parallel),
     )
     n, lead = shape.n_rows, shape.lead_shape
-    _check_target_range(target, shape.vocab, opts.ignore_index)
+    check_target_range(target, shape.vocab, opts.ignore_index)
     y, ignore32 = narrow_targets(target, shape.vocab, opts.ignore_index)
     opts = dataclasses.replace(opts, ignore_index=ignore32)
     platform = platform_of(input)

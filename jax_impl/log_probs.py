@@ -7,7 +7,8 @@ by `jax_impl.rows.row_loop`, columns by `jax_impl.blocked.Head.col_loop`) with t
 "log_prob" steps of `jax_impl.steps`: Pallas kernels ("speed", "memory") or jax.numpy
 ("chunked"). The forward pass merges each block into per-row running statistics and keeps
 lse and the entropy; the backward rule of the `jax.custom_vjp` recomputes each block and
-turns the upstream gradients into dz, whose products give grad_input and an fp32 grad_weight.
+turns the upstream gradients into dz, whose products give grad_input and grad_weight
+(accumulated as cross-entropy's strategies accumulate it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
 from jax_impl.distill_blocked import DistillConfig, plan_distillation
-from jax_impl.functional import (_check_target_range, as_array, choose_strategy, dtype_name, maybe_array, platform_of,
+from jax_impl.functional import (as_array, check_target_range, choose_strategy, dtype_name, maybe_array, platform_of,
                                  shape_of)
 from jax_impl.log_probs_kernels import NO_COLUMN
 from jax_impl.rows import compute_dtype, narrow_targets, row_loop
@@ -119,7 +120,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
         input_shape=input.shape, input_dtype=dtype_name(input), weight_shape=linear_weight.shape,
         weight_dtype=dtype_name(linear_weight), target_shape=target.shape, target_dtype=dtype_name(target),
         bias_shape=shape_of(linear_bias), bias_dtype=dtype_name(linear_bias), weight_layout=weight_layout)
-    _check_target_range(target, shape.vocab, o.ignore_index)
+    check_target_range(target, shape.vocab, o.ignore_index)
     n = shape.n_rows
     y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, o.ignore_index)
     platform = platform_of(input)

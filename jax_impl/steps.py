@@ -128,7 +128,7 @@ class XlaOps:
         e = jnp.exp(u - safe)
         m, l, a = log_probs_kernels.merge_running(m, l, a, m_blk, e.sum(1), jnp.where(e == 0, 0, e * (u - safe)).sum(1))
         # argmax: the first maximum, a NaN first; earlier blocks keep ties
-        best, idx = log_probs_kernels.larger_first(best, idx, u.max(axis=1), (jnp.argmax(u, axis=1) + v0).astype(idx.dtype))
+        best, idx = log_probs_kernels.larger_first(best, idx, m_blk, (jnp.argmax(u, axis=1) + v0).astype(idx.dtype))
         inside, u_at_y, _ = _at_target(u, v0, y_R)
         return m, l, a, best, idx, u_y + jnp.where(inside, u_at_y, 0)
 

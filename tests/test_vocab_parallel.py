@@ -179,6 +179,9 @@ def _dtensor_sequence_results(world: int) -> dict:
     loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, strategy="memory", tuning=SMALL)
     loss.backward()
     assert x.grad.placements == (Shard(1),) and x.grad.to_local().shape == (2, 8 // world, p.x.shape[-1])
+    uneven = distribute_tensor(torch.tensor(p.x[:, :7]), mesh, [Shard(1)])  # 7 positions over 2 ranks
+    with pytest.raises(ValueError, match="does not divide"):
+        torch_impl.linear_cross_entropy(uneven, W, torch.tensor(p.y[:, :7]), linear_bias=b)
     return {"dtensor-sp|loss": loss.detach().double().numpy(), "dtensor-sp|grad_x": x.grad.full_tensor().double().numpy(),
             "dtensor-sp|grad_W": W.grad.full_tensor().double().numpy(),
             "dtensor-sp|grad_b": b.grad.full_tensor().double().numpy()}

@@ -31,7 +31,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> None:
+def check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Raise ValueError for a target outside [0, V) that is not ignore_index (every call: inside
     torch.compile the loss runs as an eager, opaque step)."""
     bad = (y_N != ignore_index) & ((y_N < 0) | (y_N >= vocab))
@@ -215,18 +215,19 @@ def linear_cross_entropy(
     first, classes = (0, None) if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked(None, None),
                                                                                    input.device)
     shape = checked(weight, classes)
-    x_ND = input.reshape(-1, shape.hidden)  # this rank's part of the rows with sequence parallel
+    # with sequence parallel, the rank's part of the rows: the block steps gather them
+    x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input
     y_N = dense(target.reshape(shape.n_rows))
     linear_bias, weight = dense(linear_bias), dense(weight)
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, local_vocab, tuning)
     if vocab_parallel is not None or strategy == "chunked":  # block steps: the fallback, or the split head
-        _check_target_range(y_N, shape.vocab, opts.ignore_index)
+        check_target_range(y_N, shape.vocab, opts.ignore_index)
         plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
                                accumulate_in_input_dtype)
         loss, lse_N = SteppedLinearCrossEntropy.apply(
-            x_ND if rows_dim is None else input, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts,
-            weight_layout, plan, ops, vocab_parallel, first, shape.vocab, rows_dim,
+            x_ND, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts, weight_layout, plan, ops,
+            vocab_parallel, first, shape.vocab, rows_dim,
         )
     else:
         # The kernels read out-of-range targets safely (NaN rows), so the work is queued before
@@ -245,7 +246,7 @@ def linear_cross_entropy(
             x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, check, active
         )
         if check.bad_count():
-            _check_target_range(y_N, shape.vocab, opts.ignore_index)
+            check_target_range(y_N, shape.vocab, opts.ignore_index)
     if opts.reduction == "none":
         loss = loss.reshape(shape.lead_shape)
     if num_items_in_batch is not None:

@@ -8,7 +8,8 @@ of rows and vocabulary columns) or in PyTorch ops (`chunked`). The forward pass 
 block of logits into per-row running statistics (max, sum of exponentials, their u-weighted
 sum, the largest logit and its column, the target's logit) and keeps lse and the entropy; the
 backward pass recomputes each block and turns the upstream gradients of the log-probabilities
-and of the entropy into dz, whose products give grad_input and an fp32 grad_weight. Nothing
+and of the entropy into dz, whose products give grad_input and grad_weight (accumulated as
+cross-entropy's strategies accumulate it). Nothing
 is computed in the forward pass for the backward: the upstream gradients are not known then.
 """
 
@@ -17,14 +18,14 @@ from __future__ import annotations
 import torch
 
 from interop.log_probs import LogProbsOptions
-from interop.options import check_inputs, check_strategy, check_tuning, target_out_of_range_message
+from interop.options import check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
 from torch_impl.arguments import check_tensors, dense
 from torch_impl.autograd import first_order_only
 from torch_impl.blocks import BlockPlan, HeadBlocks, final_grad
 from torch_impl.distill_blocked import dx_rows, store_dx_rows
 from torch_impl.distillation import _autocast
-from torch_impl.functional import choose_strategy, dtype_name
+from torch_impl.functional import check_target_range, choose_strategy, dtype_name
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import TorchOps, plan_steps
 
@@ -93,6 +94,7 @@ class LinearLogProbs(torch.autograd.Function):
         return (dx, final_grad(dW, W), final_grad(db, b_V)) + none
 
 
+@torch.compiler.disable
 def linear_log_probs(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -134,7 +136,7 @@ def linear_log_probs(
         log-probabilities [...] in fp32 (fp64 for fp64 input); with return_entropy and/or
         return_argmax, the tuple (log_probs, entropy, argmax) of those asked for. Gradients
         of any function of log-probabilities and entropy flow to input, linear_weight and
-        linear_bias (grad_weight accumulated in fp32 by default).
+        linear_bias (grad_weight accumulated as by linear_cross_entropy's strategy).
     """
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias))
     input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
@@ -147,9 +149,7 @@ def linear_log_probs(
         target_dtype=dtype_name(target.dtype), bias_shape=None if linear_bias is None else tuple(linear_bias.shape),
         bias_dtype=None if linear_bias is None else dtype_name(linear_bias.dtype), weight_layout=weight_layout)
     y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
-    bad = (y_N != o.ignore_index) & ((y_N < 0) | (y_N >= shape.vocab))
-    if bool(bad.any()):
-        raise ValueError(target_out_of_range_message(int(y_N[bad][0]), shape.vocab, o.ignore_index))
+    check_target_range(y_N, shape.vocab, o.ignore_index)
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab, tuning)
     plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype,

@@ -118,7 +118,7 @@ def _log_prob_grad_kernel(
 
 def log_prob_stats_(z_RC, v0: int, b_V, y_R, running, softcap, inv_t: float) -> None:
     """Merge logits block z [R, C] into `running` (m, l, a, best, idx, u_y: [R] each, fp32
-    but idx int64; they start at (-inf, 0, 0, -inf, any, 0)), in place."""
+    but idx int64; they start at (-inf, 0, 0, -inf, 0, 0): a row of -inf keeps column 0), in place."""
     R, C = z_RC.shape
     if R == 0:
         return

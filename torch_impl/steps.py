@@ -99,13 +99,12 @@ def _log_mix(lq, lp, beta: float):
 def _log_prob_stats_(z, v0, b_V, y_R, running, softcap, inv_t: float) -> None:
     m, l, a, best, idx, u_y = running
     u = _capped(z, v0, b_V, softcap) * inv_t
-    m_blk = u.max(dim=1).values  # NaN propagates
+    m_blk, idx_blk = u.max(dim=1)  # NaN propagates; the first maximum (a NaN first)
     safe = torch.where(m_blk == -torch.inf, 0.0, m_blk)[:, None]
     e = torch.exp(u - safe)
     m_new, l_new, a_new = _merge(m, l, a, m_blk, e.sum(1), _times_p(e, u - safe).sum(1))
-    best_blk, idx_blk = u.max(dim=1)  # the first maximum (a NaN first); earlier blocks win ties
-    take = (best_blk > best) | (torch.isnan(best_blk) & ~torch.isnan(best))
-    best.copy_(torch.where(take, best_blk, best))
+    take = (m_blk > best) | (torch.isnan(m_blk) & ~torch.isnan(best))  # earlier blocks win ties
+    best.copy_(torch.where(take, m_blk, best))
     idx.copy_(torch.where(take, idx_blk + v0, idx))
     m.copy_(m_new), l.copy_(l_new), a.copy_(a_new)
     col = y_R - v0

@@ -109,5 +109,8 @@ def local_operands(linear_weight, input, linear_bias, weight_layout: str):
         bias = bias.to_local()
     if placements == (Replicate(),) and rows_dim is not None:
         raise ValueError("a DTensor input sharded on its rows needs a head sharded on its vocabulary")
+    if rows_dim is not None and input.shape[rows_dim] % input.device_mesh.size() != 0:
+        raise ValueError(f"a DTensor input sharded on dimension {rows_dim} needs equal parts: its size "
+                         f"{input.shape[rows_dim]} does not divide over the mesh's {input.device_mesh.size()} ranks")
     group = None if placements == (Replicate(),) else input.device_mesh.get_group()
     return input.to_local(), linear_weight.to_local(), bias, group, rows_dim
