@@ -10,6 +10,7 @@ import torch
 
 from interop.log_probs_reference import linear_log_probs_reference
 from tests.frameworks import SMALL, laid_out, make_problem, rel_err, seed_of, tolerance
+from tests.frameworks import device as default_device
 
 # name -> (options, make_problem arguments, which upstream gradients: "both", "log_probs", "entropy")
 CASES = {
@@ -40,11 +41,12 @@ def _reference(p, options, g_lp, g_H):
                                       grad_log_probs=g_lp, grad_entropy=g_H, **options)
 
 
-def run_torch(p, options, g_lp, g_H, device="cpu", layouts=None, strategy="auto"):
+def run_torch(p, options, g_lp, g_H, device=None, layouts=None, strategy="auto"):
     """{"log_probs", "entropy", "argmax", "grad_x", "grad_W", "grad_b"} as numpy."""
     import torch_impl
     from torch_impl.functional import kernels_can_run
 
+    device = device or default_device()  # CUDA where there is a GPU
     # the kernel strategies run their kernels (Triton's interpreter off a GPU), not the fallback
     assert strategy not in ("speed", "memory") or kernels_can_run(torch.zeros(1, device=device))
 
@@ -132,7 +134,7 @@ def test_reference_matches_float64_autograd(case):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
 
 
-def run(framework: str, strategy: str, p, options, g_lp, g_H, device="cpu"):
+def run(framework: str, strategy: str, p, options, g_lp, g_H, device=None):
     if framework == "torch":
         return run_torch(p, options, g_lp, g_H, device, strategy=strategy)
     return run_jax(p, options, g_lp, g_H, strategy)
