@@ -24,8 +24,10 @@ def policy_log_probs(hidden, head, ids, mask, temperature=1.0):
 
 
 def naive_policy_log_probs(hidden, head, ids, mask, temperature=1.0):
-    """What `policy_log_probs` computes, from the [B, T, V] logits (fp32)."""
-    logp_all = jax.nn.log_softmax(hidden.astype(jnp.float32) @ head.astype(jnp.float32).T / temperature, -1)
+    """What `policy_log_probs` computes, from the [B, T, V] logits (fp32: on a GPU, XLA's default
+    precision would multiply fp32 matrices in TF32)."""
+    logits = jnp.matmul(hidden.astype(jnp.float32), head.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    logp_all = jax.nn.log_softmax(logits / temperature, -1)
     logp = jnp.take_along_axis(logp_all, ids[..., None], -1)[..., 0]
     return jnp.where(mask, logp, 0.0), -(jnp.exp(logp_all) * logp_all).sum(-1)
 
