@@ -13,6 +13,7 @@ model. Rank 0 writes the JSON (`--json`).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -83,7 +84,11 @@ def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int) -> list[
         results.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
-        model = step = None  # freed before the next method builds its model
+        # Freed while the process group lives: an FSDP2 model left to the collector at exit,
+        # after the group is gone, can abort the process ("terminate called without an
+        # active exception").
+        model = step = None
+        gc.collect()
     return results
 
 

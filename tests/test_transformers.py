@@ -2,6 +2,7 @@
 (loss and every gradient) without building the logits; otherwise it is the original."""
 
 import copy
+import gc
 import inspect
 import os
 import re
@@ -122,6 +123,9 @@ def _fsdp2_worker(rank: int, world: int, port: int) -> None:
                 out, grads = train_step(model, **batch, num_items_in_batch=count)
                 steps.append((out, {k: None if g is None else g.full_tensor() for k, g in grads.items()}))
             assert_same_step(*steps)
+        # Freed while the process group lives (bench.fsdp_model says why).
+        model = steps = out = grads = None
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
