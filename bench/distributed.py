@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -106,10 +107,21 @@ def main(argv=None):
     on_ranks(body, args.json)
 
 
+def leave() -> None:
+    """End a rank's process once its work is out and its process group destroyed, without
+    the interpreter's teardown: there a gloo worker thread still holding a tensor can abort
+    the process (std::terminate, "terminate called without an active exception") after a
+    clean run, about one run in ten on two busy CPU cores."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def on_ranks(body, json_path: str | None, **environment) -> None:
     """A torchrun process: the process group (NCCL on GPUs, gloo on CPUs), then
     body(gpu, dtype) -> a dict that rank 0 writes to json_path with the run's environment
-    (date, torch, ranks, device, dtype, and `environment`'s entries)."""
+    (date, torch, ranks, device, dtype, and `environment`'s entries); then the process ends
+    (`leave`)."""
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -127,6 +139,7 @@ def on_ranks(body, json_path: str | None, **environment) -> None:
         dist.barrier()  # no rank tears its group down while another still uses it
     finally:
         dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

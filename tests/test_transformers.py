@@ -101,6 +101,8 @@ def _fsdp2_worker(rank: int, world: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from bench.distributed import leave
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -128,6 +130,7 @@ def _fsdp2_worker(rank: int, world: int, port: int) -> None:
         gc.collect()
     finally:
         dist.destroy_process_group()
+    leave()
 
 
 def test_fsdp2_model_benchmark_runs_on_two_gloo_ranks(tmp_path):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.distributed import leave
 from tests.frameworks import CASES, SMALL, TorchAdapter, make_problem, reference, rel_err, seed_of, tolerance, upstream_grads
 
 # (world size, the ranks' class counts of a 53-class head, strategies, dtypes)
@@ -72,6 +73,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()  # no rank tears its group down while another still uses it
     finally:
         dist.destroy_process_group()
+    leave()
 
 
 def _sequence_parallel_cases(strategies, dtypes):
