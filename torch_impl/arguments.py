@@ -35,6 +35,15 @@ def check_tensors(input: torch.Tensor, required: dict, optional: dict) -> None:
                              "must be on the input's device")
 
 
+def autocast_inputs(*tensors):
+    """The floating inputs cast to the autocast dtype where autocast is on (None kept), as
+    F.linear would cast them; else unchanged."""
+    if not torch.is_autocast_enabled(tensors[0].device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
 def dense(t: torch.Tensor | None) -> torch.Tensor | None:
     """t with the strides the kernels index by (row-major, no gaps, no stride 0), or None.
 

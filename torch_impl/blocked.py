@@ -80,11 +80,12 @@ class _Blocks(HeadBlocks):
     def add_filtered_grads(self, dz, rs: slice, f: TileFilter, dx_out, dW, db) -> None:
         """Add a filtered block of whole rows to the gradients: dz [R, V] on the tiles that
         f.tiles keeps (gathered when few are, else the others zeroed in place) plus the
-        target terms f.target, sparse. Asks the GPU once which tiles are kept."""
+        target terms f.target, sparse. Asks the GPU once which tiles are kept (unless the
+        plan may not wait for it: then zeroed in place)."""
         vocab = self.vocab
-        kept = f.tiles.nonzero().squeeze(1).tolist()
-        if len(kept) > self.plan.tuning.gather_share * f.tiles.shape[0]:
-            if len(kept) < f.tiles.shape[0]:
+        kept = f.tiles.nonzero().squeeze(1).tolist() if self.plan.host_sync else None
+        if kept is None or len(kept) > self.plan.tuning.gather_share * f.tiles.shape[0]:
+            if kept is None or len(kept) < f.tiles.shape[0]:
                 dz.mul_(f.tiles.repeat_interleave(FILTER_COLS)[:vocab].to(dz.dtype))
             cols, W_A = None, self.head_cols(0, vocab)
         else:

@@ -28,7 +28,9 @@ class BlockPlan:
     grad_weight accumulation dtype; the gradient filter's threshold (None: no filtering);
     grad_input_scratch: elements of a logits scratch after grad_input (0: none; blocks of
     whole rows whose size then varies, `HeadBlocks.row_blocks`; block_rows serves loops
-    without grad_input); the call's tuning."""
+    without grad_input); the call's tuning; host_sync: the loop may wait for the GPU to
+    gather the filter's kept tiles (False in compiled or captured code, where the dropped
+    tiles are zeroed in place instead)."""
 
     strategy: str
     layout: str
@@ -38,6 +40,7 @@ class BlockPlan:
     filter_eps: float | None = None
     grad_input_scratch: int = 0
     tuning: Tuning = DEFAULT
+    host_sync: bool = True
 
 
 def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:

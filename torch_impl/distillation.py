@@ -6,25 +6,17 @@ from __future__ import annotations
 import torch
 
 from interop.blocking import skipping_pays
-from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs,
-                                  check_topk_inputs, teacher_id_out_of_range_message)
-from interop.options import check_reduction, check_strategy, check_tuning, target_out_of_range_message
+from interop.distillation import teacher_id_out_of_range_message
+from interop.options import check_reduction, check_tuning, target_out_of_range_message
 from interop.tuning import Tuning
-from torch_impl.arguments import check_tensors, dense, denominator
+from torch_impl import distill_ops
+from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation
 from torch_impl.steps import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
-from torch_impl.functional import choose_strategy, dtype_name, head_slice, rows_to_compute
+from torch_impl.functional import choose_strategy, head_slice, rows_to_compute
 from torch_impl.rows import compute_dtype
 from torch_impl.stepped import local_targets
-
-
-def _name(t):
-    return None if t is None else dtype_name(t.dtype)
-
-
-def _shape(t):
-    return None if t is None else tuple(t.shape)
 
 
 def _valid_rows_only(t: Tuning, strategy: str, valid_N, hidden: int, vocab: int):
@@ -40,15 +32,6 @@ def _all_rows(loss_A, rows, n: int):
     return loss_A if rows is None else loss_A.new_zeros(n).index_copy(0, rows, loss_A)
 
 
-def _autocast(*tensors):
-    """Cast floating inputs to the autocast dtype, as F.linear would."""
-    if not torch.is_autocast_enabled(tensors[0].device.type):
-        return tensors
-    dtype = torch.get_autocast_dtype(tensors[0].device.type)
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
-
-
-@torch.compiler.disable
 def linear_topk_distillation(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -102,24 +85,44 @@ def linear_topk_distillation(
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
         Gradients flow to input, linear_weight and linear_bias.
+
+    Inside torch.compile the call is the custom op ``logitless::linear_topk_distillation``
+    (as linear_cross_entropy's): a teacher id >= V or a bad hard target there gives a NaN
+    row instead of raising; with vocab_parallel it runs as one eager step (a graph break).
     """
+    kwargs = dict(target=target, linear_bias=linear_bias, row_mask=row_mask, temperature=temperature,
+                  renormalize_teacher=renormalize_teacher, tail_bucket=tail_bucket,
+                  temperature_squared=temperature_squared, weight_soft=weight_soft, weight_hard=weight_hard,
+                  reduction=reduction, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, softcap=softcap,
+                  weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype)
+    if torch.compiler.is_compiling() and vocab_parallel is None:
+        check_tensors(input, dict(linear_weight=linear_weight, teacher_ids=teacher_ids,
+                                  teacher_logprobs=teacher_logprobs), dict(target=target, linear_bias=linear_bias,
+                                                                           row_mask=row_mask))
+        input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
+        check_reduction(reduction, num_items_in_batch)
+        return distill_ops.linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs,
+                                                   **{**kwargs, "linear_bias": linear_bias}, tuning=check_tuning(tuning))
+    return _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, **kwargs, tuning=tuning,
+                       vocab_parallel=vocab_parallel)
+
+
+@torch.compiler.disable
+def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, linear_bias, row_mask, temperature,
+                renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction,
+                num_items_in_batch, ignore_index, softcap, weight_layout, strategy, accumulate_in_input_dtype, tuning,
+                vocab_parallel):
     check_tensors(input, dict(linear_weight=linear_weight, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs),
                   dict(target=target, linear_bias=linear_bias, row_mask=row_mask))
-    input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
-    o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
-                                weight_hard, reduction, ignore_index, softcap)
-    check_strategy(strategy)
+    input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
-    checked = lambda: check_topk_inputs(
-        input_shape=tuple(input.shape), input_dtype=_name(input), weight_shape=tuple(linear_weight.shape),
-        weight_dtype=_name(linear_weight), ids_shape=tuple(teacher_ids.shape), ids_dtype=_name(teacher_ids),
-        logprobs_shape=tuple(teacher_logprobs.shape), logprobs_dtype=_name(teacher_logprobs),
-        target_shape=_shape(target), target_dtype=_name(target), bias_shape=_shape(linear_bias),
-        bias_dtype=_name(linear_bias), row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask),
-        weight_layout=weight_layout, weight_hard=o.weight_hard)
-    first, V = (0, None) if vocab_parallel is None else head_slice(vocab_parallel, checked, input.device)
-    shape = checked()
+    checked = lambda: distill_ops.topk_checked(
+        input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
+        renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction, ignore_index, softcap,
+        weight_layout, strategy)
+    first, V = (0, None) if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked()[1], input.device)
+    o, shape = checked()
     n, V, dev = shape.n_rows, V or shape.vocab, input.device
     ids = dense(teacher_ids.reshape(n, shape.k).to(torch.int64))
     if bool((ids >= V).any()):
@@ -150,7 +153,6 @@ def linear_topk_distillation(
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 
 
-@torch.compiler.disable
 def linear_distillation(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -187,20 +189,37 @@ def linear_distillation(
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
+
+    Inside torch.compile the call is the custom op ``logitless::linear_distillation`` (as
+    linear_cross_entropy's).
     """
+    kwargs = dict(target=target, row_mask=row_mask, divergence=divergence, beta=beta, temperature=temperature,
+                  temperature_squared=temperature_squared, reduction=reduction, num_items_in_batch=num_items_in_batch,
+                  ignore_index=ignore_index, weight_layout=weight_layout, strategy=strategy,
+                  accumulate_in_input_dtype=accumulate_in_input_dtype)
+    if torch.compiler.is_compiling():
+        check_tensors(input, dict(linear_weight=linear_weight, teacher_input=teacher_input,
+                                  teacher_weight=teacher_weight), dict(target=target, row_mask=row_mask))
+        input, linear_weight, teacher_input, teacher_weight = autocast_inputs(input, linear_weight, teacher_input,
+                                                                        teacher_weight)
+        check_reduction(reduction, num_items_in_batch)
+        return distill_ops.linear_distillation(input, linear_weight, teacher_input, teacher_weight, **kwargs,
+                                              tuning=check_tuning(tuning))
+    return _dense_eager(input, linear_weight, teacher_input, teacher_weight, **kwargs, tuning=tuning)
+
+
+@torch.compiler.disable
+def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target, row_mask, divergence, beta, temperature,
+                 temperature_squared, reduction, num_items_in_batch, ignore_index, weight_layout, strategy,
+                 accumulate_in_input_dtype, tuning):
     check_tensors(input, dict(linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight),
                   dict(target=target, row_mask=row_mask))
-    input, linear_weight, teacher_input, teacher_weight = _autocast(input, linear_weight, teacher_input, teacher_weight)
-    o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
-    check_strategy(strategy)
+    input, linear_weight, teacher_input, teacher_weight = autocast_inputs(input, linear_weight, teacher_input, teacher_weight)
     tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
-    shape = check_dense_inputs(
-        input_shape=tuple(input.shape), input_dtype=_name(input), weight_shape=tuple(linear_weight.shape),
-        weight_dtype=_name(linear_weight), teacher_input_shape=tuple(teacher_input.shape),
-        teacher_input_dtype=_name(teacher_input), teacher_weight_shape=tuple(teacher_weight.shape),
-        teacher_weight_dtype=_name(teacher_weight), target_shape=_shape(target), target_dtype=_name(target),
-        row_mask_shape=_shape(row_mask), row_mask_dtype=_name(row_mask), weight_layout=weight_layout)
+    o, shape = distill_ops.dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence,
+                                         beta, temperature, temperature_squared, reduction, ignore_index, weight_layout,
+                                         strategy)
     n, dev = shape.n_rows, input.device
     vocab = min(shape.vocab, shape.teacher_vocab)
     y = None if target is None else dense(target.reshape(n))

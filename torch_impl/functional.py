@@ -10,7 +10,8 @@ from interop.blocking import skipping_pays, speed_extra_bytes
 from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
-from torch_impl.arguments import check_tensors, dense, denominator
+from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
+from torch_impl import custom_ops
 from torch_impl.stepped import SteppedLinearCrossEntropy
 from torch_impl.steps import plan_steps
 
@@ -32,8 +33,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise ValueError for a target outside [0, V) that is not ignore_index (every call: inside
-    torch.compile the loss runs as an eager, opaque step)."""
+    """Raise ValueError for a target outside [0, V) that is not ignore_index (eager calls: it
+    waits for the device)."""
     bad = (y_N != ignore_index) & ((y_N < 0) | (y_N >= vocab))
     if bool(bad.any()):
         raise ValueError(target_out_of_range_message(int(y_N[bad][0]), vocab, ignore_index))
@@ -94,7 +95,6 @@ def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vo
     return "speed" if extra <= 0.25 * free else "memory"
 
 
-@torch.compiler.disable
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -177,9 +177,50 @@ def linear_cross_entropy(
     host wait for the GPU once. A bad target raises ValueError in the same call; the host
     waits for the targets' check, not for the call's work.
 
-    Inside a ``torch.compile``d model the call runs as one opaque step (a graph break):
-    the model compiles around it, and bad targets still raise.
+    Inside ``torch.compile`` the call is the custom op ``logitless::linear_cross_entropy``
+    (`torch_impl.custom_ops`): the model compiles whole (``fullgraph=True``), once for any
+    number of rows, and never waits for the GPU, so CUDA graphs can capture it. There a bad
+    target gives a NaN row (and a NaN mean) instead of raising, ignored rows are computed
+    and masked, and gradients are first-order. A head split over ranks (``vocab_parallel``
+    or DTensors) runs as one eager step there (a graph break).
     """
+    kwargs = dict(linear_bias=linear_bias, weight=weight, reduction=reduction, ignore_index=ignore_index,
+                  label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
+                  weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
+                  filter_eps=filter_eps, tuning=tuning, num_items_in_batch=num_items_in_batch)
+    if torch.compiler.is_compiling() and vocab_parallel is None and not sequence_parallel \
+            and (parallel is None or not parallel.any_dtensor(input, linear_weight, linear_bias)):
+        return _compiled(input, linear_weight, target, **kwargs)
+    return _eager(input, linear_weight, target, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel,
+                  **kwargs)
+
+
+def _compiled(input, linear_weight, target, *, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+              softcap, return_lse, weight_layout, strategy, accumulate_in_input_dtype, filter_eps, tuning,
+              num_items_in_batch):
+    """The call inside torch.compile: the custom op (`torch_impl.custom_ops`), which checks
+    the rest of the arguments when it is traced."""
+    check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight))
+    input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
+    check_reduction(reduction, num_items_in_batch)
+    out = custom_ops.linear_cross_entropy(
+        input, linear_weight, target, linear_bias=linear_bias, weight=weight,
+        reduction="sum" if num_items_in_batch is not None else reduction, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
+        weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
+        filter_eps=filter_eps, tuning=check_tuning(tuning))
+    if num_items_in_batch is None:
+        return out
+    loss, rest = (out[0], out[1:]) if return_lse else (out, ())
+    loss = loss / denominator(num_items_in_batch, loss.dtype, loss.device)
+    return (loss, *rest) if return_lse else loss
+
+
+@torch.compiler.disable
+def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+           return_lse, weight_layout, strategy, accumulate_in_input_dtype, filter_eps, tuning, vocab_parallel,
+           sequence_parallel, num_items_in_batch):
+    """The eager call (and a split head's step in compiled code)."""
     rows_dim = 0 if sequence_parallel else None
     if vocab_parallel is None and parallel is not None:
         local = parallel.local_operands(linear_weight, input, linear_bias, weight_layout)
@@ -188,10 +229,7 @@ def linear_cross_entropy(
     if sequence_parallel and vocab_parallel is None:
         raise ValueError("sequence_parallel needs vocab_parallel (the process group that splits the rows and the head)")
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight))
-    if torch.is_autocast_enabled(input.device.type):  # as F.linear would: cast to the autocast dtype
-        dtype = torch.get_autocast_dtype(input.device.type)
-        input, linear_weight = input.to(dtype), linear_weight.to(dtype)
-        linear_bias = None if linear_bias is None else linear_bias.to(dtype)
+    input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     check_reduction(reduction, num_items_in_batch)
     opts = CrossEntropyOptions("sum" if num_items_in_batch is not None else reduction, ignore_index, label_smoothing,
                                z_loss, softcap)

@@ -466,10 +466,11 @@ class TargetCheck:
     """`check_targets` of one call, launched on first use: `denominator` (0-d fp32, on y's
     device) for the mean, and `bad_count()` on the host. The bad count is copied to pinned
     memory right behind the check, so the host waits for the check, not for the work queued
-    after it."""
+    after it; with watch=False (compiled or captured code, which never asks) it is not copied."""
 
-    def __init__(self, y_N: torch.Tensor, cw_V, ignore_index: int, vocab: int):
+    def __init__(self, y_N: torch.Tensor, cw_V, ignore_index: int, vocab: int, watch: bool = True):
         self._args = (y_N, cw_V, ignore_index, vocab)
+        self._watch = watch
         self._counts = None  # [2] fp32 on the device once launched
         self._bad = None  # the bad count on the host (pinned), behind `_event`
         self._event = None
@@ -479,7 +480,7 @@ class TargetCheck:
         if self._counts is not None:
             return
         self._counts = check_targets(*self._args)
-        if self._counts.is_cuda:
+        if self._counts.is_cuda and self._watch:
             self._bad = torch.empty(1, dtype=torch.float32, pin_memory=True)
             self._bad.copy_(self._counts[:1], non_blocking=True)
             self._event = torch.cuda.Event()

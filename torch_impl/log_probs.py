@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 
 from interop.log_probs import LogProbsOptions
-from interop.options import check_inputs, check_strategy, check_tuning
+from interop.options import check_tuning
 from interop.tuning import Tuning
-from torch_impl.arguments import check_tensors, dense
+from torch_impl import log_probs_ops
+from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.autograd import first_order_only
 from torch_impl.blocks import BlockPlan, HeadBlocks, final_grad
 from torch_impl.distill_blocked import dx_rows, store_dx_rows
-from torch_impl.distillation import _autocast
-from torch_impl.functional import check_target_range, choose_strategy, dtype_name
+from torch_impl.functional import check_target_range, choose_strategy
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import TorchOps, plan_steps
 
@@ -36,30 +36,69 @@ def _blocks(x_ND, W, b_V, layout: str, plan: BlockPlan, ops) -> HeadBlocks:
     return HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=compute_dtype(x_ND.dtype) if ops is TorchOps else None)
 
 
+def _target_rows(y_N, o: LogProbsOptions, vocab: int):
+    """(valid, in_range), bool [N]: the target is not ignore_index; it is a class."""
+    return y_N != o.ignore_index, (y_N >= 0) & (y_N < vocab)
+
+
+def forward(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan, ops):
+    """(log-probabilities [N], entropy [N], argmax [N] int64, lse [N]) over flattened rows x
+    [N, D], the head W, its bias and targets y [N] (int64); log-probabilities, entropy and
+    lse in the compute dtype (fp32, fp64 for fp64). A target outside [0, V) that is not
+    ignore_index gives NaN."""
+    wide, n, dev = compute_dtype(x_ND.dtype), x_ND.shape[0], x_ND.device
+    blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
+    m, best = (torch.full((n,), -torch.inf, dtype=wide, device=dev) for _ in range(2))
+    l, a, u_y = (torch.zeros(n, dtype=wide, device=dev) for _ in range(3))
+    argmax = torch.zeros(n, dtype=torch.int64, device=dev)
+    for rs in blocks.row_blocks():
+        for v0, cols in blocks.col_blocks():
+            ops.log_prob_stats_(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs],
+                                (m[rs], l[rs], a[rs], best[rs], argmax[rs], u_y[rs]), o.softcap, 1.0 / o.temperature)
+    vocab = blocks.vocab
+    blocks = None
+    # lse = m + log l; with E[u] = m + a / l, H = lse - E[u] = log l - a / l: two small
+    # terms, where lse and E[u] of a peaked row are large and nearly equal.
+    lse, entropy = m + torch.log(l), torch.log(l) - a / l
+    valid, in_range = _target_rows(y_N, o, vocab)
+    logp = torch.where(valid, torch.where(in_range, u_y - lse, torch.full_like(lse, torch.nan)), torch.zeros_like(lse))
+    return logp, entropy, argmax, lse
+
+
+def backward(grad_logp, grad_entropy, x_ND, W, b_V, y_N, lse, entropy, o: LogProbsOptions, layout: str, plan: BlockPlan,
+             ops, need=(True, True, True)):
+    """(dx, dW, db) for the upstream gradients of `forward`'s log-probabilities and entropy
+    ([N] each, or None), recomputing the logits block by block; None where `need` (x, W, b)
+    is not set."""
+    wide = lse.dtype
+    blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
+    valid, in_range = _target_rows(y_N, o, blocks.vocab)
+    g = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(wide)
+    g = torch.where(valid, torch.where(in_range, g, torch.full_like(g, torch.nan)), torch.zeros_like(g)).contiguous()
+    g_h = None if grad_entropy is None else grad_entropy.to(wide).contiguous()
+    # grad_input as the distillation losses form it: a row block's rows written once, or
+    # with partial rows summed over the column blocks in an fp32 accumulator of one row block
+    dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
+    for rs in blocks.row_blocks():
+        dx_out = dx_rows(blocks, dx, dx_acc, rs)
+        for v0, cols in blocks.col_blocks():
+            dz = ops.log_prob_grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], lse[rs], entropy[rs], g[rs],
+                                   None if g_h is None else g_h[rs], o.softcap, 1.0 / o.temperature)
+            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+        store_dx_rows(blocks, dx, dx_acc, dx_out, rs)
+    dz = blocks = dx_acc = None
+    return dx, final_grad(dW, W), final_grad(db, b_V)
+
+
 class LinearLogProbs(torch.autograd.Function):
-    """Over flattened rows x [N, D], the head W, its bias and targets y [N] (int64); returns
-    (log-probabilities [N], entropy [N], argmax [N] int64), the first two in the compute
-    dtype (fp32, fp64 for fp64)."""
+    """`forward` and `backward` as an autograd Function; returns (log-probabilities,
+    entropy, argmax)."""
 
     @staticmethod
     def forward(ctx, x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan, ops):
-        wide, n, dev = compute_dtype(x_ND.dtype), x_ND.shape[0], x_ND.device
-        blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
-        m, best = (torch.full((n,), -torch.inf, dtype=wide, device=dev) for _ in range(2))
-        l, a, u_y = (torch.zeros(n, dtype=wide, device=dev) for _ in range(3))
-        argmax = torch.zeros(n, dtype=torch.int64, device=dev)
-        for rs in blocks.row_blocks():
-            for v0, cols in blocks.col_blocks():
-                ops.log_prob_stats_(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs],
-                                    (m[rs], l[rs], a[rs], best[rs], argmax[rs], u_y[rs]), o.softcap, 1.0 / o.temperature)
-        blocks = None
-        # lse = m + log l; with E[u] = m + a / l, H = lse - E[u] = log l - a / l: two small
-        # terms, where lse and E[u] of a peaked row are large and nearly equal.
-        lse, entropy = m + torch.log(l), torch.log(l) - a / l
-        valid, in_range = y_N != o.ignore_index, (y_N >= 0) & (y_N < W.shape[0 if layout == "VD" else 1])
-        logp = torch.where(valid, torch.where(in_range, u_y - lse, torch.full_like(lse, torch.nan)), torch.zeros_like(lse))
+        logp, entropy, argmax, lse = forward(x_ND, W, b_V, y_N, o, layout, plan, ops)
         ctx.save_for_backward(x_ND, W, b_V, y_N, lse, entropy)
-        ctx.args = (o, layout, plan, ops, valid, in_range)
+        ctx.args = (o, layout, plan, ops)
         ctx.mark_non_differentiable(argmax)
         ctx.set_materialize_grads(False)
         return logp, entropy, argmax
@@ -73,28 +112,9 @@ class LinearLogProbs(torch.autograd.Function):
         none = (None,) * 5
         if grad_logp is None and grad_entropy is None:
             return (None, None, None) + none
-        x_ND, W, b_V, y_N, lse, entropy = ctx.saved_tensors
-        o, layout, plan, ops, valid, in_range = ctx.args
-        wide = lse.dtype
-        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(wide)
-        g = torch.where(valid, torch.where(in_range, g, torch.full_like(g, torch.nan)), torch.zeros_like(g)).contiguous()
-        g_h = None if grad_entropy is None else grad_entropy.to(wide).contiguous()
-        blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
-        # grad_input as the distillation losses form it: a row block's rows written once, or
-        # with partial rows summed over the column blocks in an fp32 accumulator of one row block
-        dx, dx_acc, dW, db = blocks.gradient_buffers(*ctx.needs_input_grad[:3])
-        for rs in blocks.row_blocks():
-            dx_out = dx_rows(blocks, dx, dx_acc, rs)
-            for v0, cols in blocks.col_blocks():
-                dz = ops.log_prob_grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], lse[rs], entropy[rs], g[rs],
-                                       None if g_h is None else g_h[rs], o.softcap, 1.0 / o.temperature)
-                blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
-            store_dx_rows(blocks, dx, dx_acc, dx_out, rs)
-        dz = blocks = dx_acc = None
-        return (dx, final_grad(dW, W), final_grad(db, b_V)) + none
+        return backward(grad_logp, grad_entropy, *ctx.saved_tensors, *ctx.args, ctx.needs_input_grad[:3]) + none
 
 
-@torch.compiler.disable
 def linear_log_probs(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -137,17 +157,33 @@ def linear_log_probs(
         return_argmax, the tuple (log_probs, entropy, argmax) of those asked for. Gradients
         of any function of log-probabilities and entropy flow to input, linear_weight and
         linear_bias (grad_weight accumulated as by linear_cross_entropy's strategy).
+
+    Inside torch.compile the call is the custom op ``logitless::linear_log_probs`` (as
+    linear_cross_entropy's): a bad target there gives a NaN log-probability instead of
+    raising.
     """
+    kwargs = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+                  weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype)
+    if torch.compiler.is_compiling():
+        check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias))
+        input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
+        outs = log_probs_ops.linear_log_probs(input, linear_weight, target, **{**kwargs, "linear_bias": linear_bias},
+                                           tuning=check_tuning(tuning))
+    else:
+        outs = _eager(input, linear_weight, target, **kwargs, tuning=tuning)
+    asked = [outs[0]] + [t for t, want in zip(outs[1:], (return_entropy, return_argmax)) if want]
+    return asked[0] if len(asked) == 1 else tuple(asked)
+
+
+@torch.compiler.disable
+def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+           accumulate_in_input_dtype, tuning):
+    """(log-probabilities, entropy, argmax), each shaped as target, of an eager call."""
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias))
-    input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
-    o = LogProbsOptions(temperature, softcap, ignore_index)
-    check_strategy(strategy)
+    input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
-    shape = check_inputs(
-        input_shape=tuple(input.shape), input_dtype=dtype_name(input.dtype), weight_shape=tuple(linear_weight.shape),
-        weight_dtype=dtype_name(linear_weight.dtype), target_shape=tuple(target.shape),
-        target_dtype=dtype_name(target.dtype), bias_shape=None if linear_bias is None else tuple(linear_bias.shape),
-        bias_dtype=None if linear_bias is None else dtype_name(linear_bias.dtype), weight_layout=weight_layout)
+    o, shape = log_probs_ops.log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap,
+                                               ignore_index, weight_layout, strategy)
     y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
     check_target_range(y_N, shape.vocab, o.ignore_index)
     x_ND = input.reshape(shape.n_rows, shape.hidden)
@@ -156,9 +192,4 @@ def linear_log_probs(
                            accumulate_in_input_dtype)
     logp, entropy, argmax = LinearLogProbs.apply(x_ND, linear_weight, dense(linear_bias), y_N, o, weight_layout, plan,
                                                  ops)
-    outs = [logp.reshape(shape.lead_shape)]
-    if return_entropy:
-        outs.append(entropy.reshape(shape.lead_shape))
-    if return_argmax:
-        outs.append(argmax.reshape(shape.lead_shape))
-    return outs[0] if len(outs) == 1 else tuple(outs)
+    return tuple(t.reshape(shape.lead_shape) for t in (logp, entropy, argmax))

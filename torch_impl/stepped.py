@@ -91,35 +91,87 @@ def _whole_rows(x, group, rows_dim):
     return x if rows_dim is None else gather_rows(x, group, rows_dim).reshape(-1, x.shape[-1])
 
 
+def forward(x, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan, ops, group=None,
+            first: int = 0, vocab: int | None = None, rows_dim: int | None = None):
+    """(reduced loss, lse [N], cw [V] in the compute dtype or None) over flattened rows x
+    [N, D] (with sequence parallel, rows_dim names the dimension of this rank's part [..., D]
+    of the input that the ranks split), the head W (this rank's slice with a group), its
+    bias, the full class weights cw [V] and the global targets y [N] (int64); loss and lse
+    in the compute dtype, the same on every rank of `group`. first: the rank's first class
+    (0 without a group); vocab: V of the whole head (default: W's)."""
+    x_ND = _whole_rows(x, group, rows_dim)
+    wide = compute_dtype(x_ND.dtype)
+    blocks = HeadBlocks(x_ND, W, b_V, weight_layout, plan, logits_dtype=wide if ops is TorchOps else None)
+    local_vocab, n, dev = blocks.vocab, x_ND.shape[0], x_ND.device
+    vocab = local_vocab if vocab is None else vocab
+    cw = None if cw_V is None else cw_V.to(wide)
+    cw_local = None if cw is None else cw[first : first + local_vocab]
+    y_local = local_targets(y_N, first, local_vocab)
+    m = torch.full((n,), -torch.inf, dtype=wide, device=dev)
+    l, sy, ws = (torch.zeros(n, dtype=wide, device=dev) for _ in range(3))
+    need_ws = opts.label_smoothing > 0
+    for rs in blocks.row_blocks():
+        for v0, cols in blocks.col_blocks():
+            ops.stats_(blocks.logits(rs, v0, cols), v0, b_V, y_local[rs], m[rs], l[rs], sy[rs], opts.softcap, 1.0,
+                       cw_local, ws[rs] if need_ws else None)
+    blocks = None
+    (lse,), (sy, ws) = combine_stats([(m, l)], [sy, ws], group)
+    rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
+    cw_sum = vocab if cw is None else cw.sum()
+    loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
+    return loss, lse, cw
+
+
+def backward(grad_loss, grad_lse, x, W, b_V, cw, y_N, lse, opts: CrossEntropyOptions, layout: str, plan: BlockPlan, ops,
+             need=(True, True, True), group=None, first: int = 0, vocab: int | None = None, rows_dim: int | None = None):
+    """(dx, dW, db) of `forward`'s outputs, None where `need` (x, W, b) is not set; cw is
+    what `forward` returned; grad_loss 0-d (or [N] for "none") or None, grad_lse [N] or None."""
+    x_ND = _whole_rows(x, group, rows_dim)
+    wide = lse.dtype
+    blocks = HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=wide if ops is TorchOps else None)
+    vocab = blocks.vocab if vocab is None else vocab
+    cw_local = None if cw is None else cw[first : first + blocks.vocab]
+    y_local = local_targets(y_N, first, blocks.vocab)
+    rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
+    if grad_loss is None:
+        grad_loss = torch.zeros((), dtype=wide, device=lse.device)
+    cw_sum = vocab if cw is None else cw.sum()
+    p, t, s = row_coefficients(grad_loss, grad_lse, lse, rows, cw_sum, opts, vocab)
+    need_x, need_W, need_b = need  # the same on every rank
+    _, _, dW, db = blocks.gradient_buffers(False, need_W, need_b)
+    # With a group, grad_input is summed over the ranks in fp32 and rounded once: one
+    # rank's share can be much larger than the sum (the target's -W_y on one rank, p W on
+    # the others). Without one, each block of whole rows writes its rows once (out of
+    # place, so that autograd can record it).
+    summed = group is not None or not blocks.whole_rows
+    dx = None
+    if need_x:
+        dx = torch.zeros(x_ND.shape, dtype=wide, device=x_ND.device) if summed else torch.empty_like(x_ND)
+    for rs in blocks.row_blocks():
+        for v0, cols in blocks.col_blocks():
+            dz = ops.grad(blocks.logits(rs, v0, cols), v0, b_V, y_local[rs], opts.softcap, 1.0, lse[rs], p[rs],
+                          t[rs], None, cw_local, s[rs])
+            blocks.add_grads(dz, rs, v0, cols, dx[rs] if summed and need_x else None, dW, db, dx_accumulate=True)
+            if need_x and not summed:
+                dx[rs] = dz.to(W.dtype) @ blocks.head_cols(v0, cols)
+    dz = blocks = None
+    if dx is not None and summed:  # every rank's classes' share of each row's gradient, summed
+        if rows_dim is not None:
+            dx = reduce_scatter_rows(dx.view(*x.shape[:rows_dim], -1, *x.shape[rows_dim + 1:]), group, rows_dim)
+        elif group is not None:
+            dist.all_reduce(dx, group=group)
+        dx = dx.to(x.dtype)
+    return dx, final_grad(dW, W), final_grad(db, b_V)
+
+
 class SteppedLinearCrossEntropy(torch.autograd.Function):
-    """Over flattened rows x [N, D] (with sequence parallel, rows_dim names the dimension of
-    this rank's part [..., D] of the input that the ranks split), the head W (this rank's
-    slice with a group), its bias, the full class weights cw [V] and the global targets y
-    [N] (int64); returns (reduced loss, lse [N]) in the compute dtype, the same on every rank
-    of `group`. first: the rank's first class (0 without a group); vocab: V of the whole head."""
+    """`forward` and `backward` as an autograd Function (arguments as `forward`'s); returns
+    (reduced loss, lse [N])."""
 
     @staticmethod
     def forward(ctx, x, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan, ops,
                 group, first: int, vocab: int, rows_dim: int | None = None):
-        x_ND = _whole_rows(x, group, rows_dim)
-        wide = compute_dtype(x_ND.dtype)
-        blocks = HeadBlocks(x_ND, W, b_V, weight_layout, plan, logits_dtype=wide if ops is TorchOps else None)
-        local_vocab, n, dev = blocks.vocab, x_ND.shape[0], x_ND.device
-        cw = None if cw_V is None else cw_V.to(wide)
-        cw_local = None if cw is None else cw[first : first + local_vocab]
-        y_local = local_targets(y_N, first, local_vocab)
-        m = torch.full((n,), -torch.inf, dtype=wide, device=dev)
-        l, sy, ws = (torch.zeros(n, dtype=wide, device=dev) for _ in range(3))
-        need_ws = opts.label_smoothing > 0
-        for rs in blocks.row_blocks():
-            for v0, cols in blocks.col_blocks():
-                ops.stats_(blocks.logits(rs, v0, cols), v0, b_V, y_local[rs], m[rs], l[rs], sy[rs], opts.softcap, 1.0,
-                           cw_local, ws[rs] if need_ws else None)
-        blocks = None
-        (lse,), (sy, ws) = combine_stats([(m, l)], [sy, ws], group)
-        rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
-        cw_sum = vocab if cw is None else cw.sum()
-        loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
+        loss, lse, cw = forward(x, W, b_V, cw_V, y_N, opts, weight_layout, plan, ops, group, first, vocab, rows_dim)
         ctx.save_for_backward(x, W, b_V, cw, y_N, lse)
         ctx.args = (opts, weight_layout, plan, ops, group, first, vocab, rows_dim)
         ctx.set_materialize_grads(False)
@@ -138,40 +190,7 @@ class SteppedLinearCrossEntropy(torch.autograd.Function):
         none = (None,) * 10
         if grad_loss is None and grad_lse is None:
             return (None, None, None) + none
-        x, W, b_V, cw, y_N, lse = ctx.saved_tensors
         opts, layout, plan, ops, group, first, vocab, rows_dim = ctx.args
-        x_ND = _whole_rows(x, group, rows_dim)
-        wide = lse.dtype
-        blocks = HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=wide if ops is TorchOps else None)
-        cw_local = None if cw is None else cw[first : first + blocks.vocab]
-        y_local = local_targets(y_N, first, blocks.vocab)
-        rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
-        if grad_loss is None:
-            grad_loss = torch.zeros((), dtype=wide, device=lse.device)
-        cw_sum = vocab if cw is None else cw.sum()
-        p, t, s = row_coefficients(grad_loss, grad_lse, lse, rows, cw_sum, opts, vocab)
-        need_x, need_W, need_b = ctx.needs_input_grad[:3]  # the same on every rank
-        _, _, dW, db = blocks.gradient_buffers(False, need_W, need_b)
-        # With a group, grad_input is summed over the ranks in fp32 and rounded once: one
-        # rank's share can be much larger than the sum (the target's -W_y on one rank, p W on
-        # the others). Without one, each block of whole rows writes its rows once (out of
-        # place, so that autograd can record it).
-        summed = group is not None or not blocks.whole_rows
-        dx = None
-        if need_x:
-            dx = torch.zeros(x_ND.shape, dtype=wide, device=x_ND.device) if summed else torch.empty_like(x_ND)
-        for rs in blocks.row_blocks():
-            for v0, cols in blocks.col_blocks():
-                dz = ops.grad(blocks.logits(rs, v0, cols), v0, b_V, y_local[rs], opts.softcap, 1.0, lse[rs], p[rs],
-                              t[rs], None, cw_local, s[rs])
-                blocks.add_grads(dz, rs, v0, cols, dx[rs] if summed and need_x else None, dW, db, dx_accumulate=True)
-                if need_x and not summed:
-                    dx[rs] = dz.to(W.dtype) @ blocks.head_cols(v0, cols)
-        dz = blocks = None
-        if dx is not None and summed:  # every rank's classes' share of each row's gradient, summed
-            if rows_dim is not None:
-                dx = reduce_scatter_rows(dx.view(*x.shape[:rows_dim], -1, *x.shape[rows_dim + 1:]), group, rows_dim)
-            elif group is not None:
-                dist.all_reduce(dx, group=group)
-            dx = dx.to(x.dtype)
-        return (dx, final_grad(dW, W), final_grad(db, b_V)) + none
+        grads = backward(grad_loss, grad_lse, *ctx.saved_tensors, opts, layout, plan, ops, ctx.needs_input_grad[:3], group,
+                         first, vocab, rows_dim)
+        return grads + none

@@ -72,6 +72,11 @@ def _gathered(t):
     return t.full_tensor(grad_placements=[Partial("avg")] * t.device_mesh.ndim)
 
 
+def any_dtensor(*tensors) -> bool:
+    """Whether any argument is a DTensor."""
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
 def local_operands(linear_weight, input, linear_bias, weight_layout: str):
     """Plain tensors for DTensor arguments: (input, head, bias, process group or None, the
     input's dimension split over the group or None).
@@ -83,7 +88,7 @@ def local_operands(linear_weight, input, linear_bias, weight_layout: str):
     bias' gradients keep their Shard placement, the input's its own). A DTensor head with a
     plain input (FSDP2, rows split across ranks): the head and bias gathered (`_gathered`),
     no group. None when no argument is a DTensor."""
-    if not any(isinstance(t, DTensor) for t in (linear_weight, input, linear_bias)):
+    if not any_dtensor(linear_weight, input, linear_bias):
         return None
     if not isinstance(input, DTensor):
         return input, _gathered(linear_weight), _gathered(linear_bias), None, None

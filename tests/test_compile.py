@@ -1,0 +1,364 @@
+"""`linear_cross_entropy` under torch.compile: the custom op (`torch_impl.custom_ops`).
+
+A model that calls the loss compiles whole (fullgraph=True), with a varying number of rows
+compiled once; values and gradients equal the eager call's and the float64 reference's;
+in compiled code a bad target gives a NaN row instead of raising. On the CPU the graphs run
+through AOTAutograd with the eager backend (the kernels in Triton's interpreter), and once
+through Inductor where a C++ compiler is present; on a GPU through Inductor, and a training
+step is captured in a CUDA graph and replayed.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import torch_impl
+from interop.reference import linear_cross_entropy_reference
+from tests.frameworks import SMALL_BLOCKS
+
+STRATEGIES = ["chunked", "speed", "memory"]
+N, D, V = 13, 19, 53
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles afresh: the same model code with other options is a new graph, and
+    Dynamo's limit of recompilations per code object would count them all."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, one hidden layer and a head whose loss is linear_cross_entropy."""
+
+    def __init__(self, dtype=torch.float32, bias=False, **loss_options):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, D, dtype=dtype)
+        self.mlp = torch.nn.Linear(D, D, dtype=dtype)
+        self.head = torch.nn.Linear(D, V, bias=bias, dtype=dtype)
+        self.loss_options = loss_options
+
+    def forward(self, ids, labels):
+        h = torch.tanh(self.mlp(self.embed(ids)))
+        return torch_impl.linear_cross_entropy(h, self.head.weight, labels, linear_bias=self.head.bias,
+                                               **self.loss_options)
+
+
+def _labels(shape, generator, ignored=(), bad=()):
+    y = torch.randint(0, V, shape, generator=generator)
+    for i in ignored:
+        y.view(-1)[i] = -100
+    for i in bad:
+        y.view(-1)[i] = V + 3
+    return y
+
+
+def _loss_and_grads(model, ids, labels, reduce=lambda out: out.sum()):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels)
+    total = reduce(out)
+    total.backward()
+    return out, {k.removeprefix("_orig_mod."): p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _tolerance(dtype):
+    return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("reduction, return_lse", [("mean", False), ("none", False), ("sum", True)])
+def test_fullgraph_compile_matches_eager(strategy, reduction, return_lse):
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = TinyLM(bias=True, strategy=strategy, reduction=reduction, return_lse=return_lse, label_smoothing=0.1,
+                   z_loss=1e-3, tuning=SMALL_BLOCKS)
+    ids = torch.randint(0, V, (2, 7), generator=gen)
+    labels = _labels((2, 7), gen, ignored=(1, 8))
+    reduce = (lambda out: out[0].sum() + 0.5 * out[1].sum()) if return_lse else (lambda out: (out * 1.5).sum())
+    eager_out, eager_grads = _loss_and_grads(model, ids, labels, reduce)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    out, grads = _loss_and_grads(compiled, ids, labels, reduce)
+    for e, c in zip(eager_out if return_lse else [eager_out], out if return_lse else [out]):
+        torch.testing.assert_close(c, e)
+    for k in eager_grads:
+        torch.testing.assert_close(grads[k], eager_grads[k], msg=k)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_call_matches_float64_reference(strategy, dtype):
+    """The op itself against the spec: strided views, a bias, class weights, softcap."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 2 * D, generator=gen).to(dtype)[:, ::2].requires_grad_()  # strided
+    W = (torch.randn(D, V, generator=gen) * 0.5).to(dtype).T.requires_grad_()  # transposed
+    b = torch.randn(V, generator=gen).to(dtype).requires_grad_()
+    cw = torch.rand(V, generator=gen) + 0.5
+    y = _labels((N,), gen, ignored=(4,))
+
+    def f(x, W, b, y):
+        return torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, weight=cw, softcap=7.0, strategy=strategy,
+                                               tuning=SMALL_BLOCKS)
+
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x, W, b, y)
+    grads = torch.autograd.grad(loss, (x, W, b))
+    ref = linear_cross_entropy_reference(x.detach().double().numpy(), W.detach().double().numpy(), y.numpy(),
+                                         linear_bias=b.detach().double().numpy(), weight=cw.double().numpy(),
+                                         softcap=7.0)
+    tol = _tolerance(dtype)
+    np.testing.assert_allclose(float(loss), ref.loss, **tol)
+    for g, r in zip(grads, (ref.grad_input, ref.grad_weight, ref.grad_bias)):
+        np.testing.assert_allclose(g.double().numpy(), r, **tol)
+
+
+def test_varying_rows_compile_once():
+    """dynamic=True: one graph for every number of rows (the block plan is made when the op runs)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    gen = torch.Generator().manual_seed(2)
+    model = TinyLM(strategy="speed", tuning=SMALL_BLOCKS)
+    compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=True)
+    first = None
+    for n in (5, 11, 23):
+        ids, labels = torch.randint(0, V, (n,), generator=gen), _labels((n,), gen)
+        _, grads = _loss_and_grads(compiled, ids, labels)
+        _, eager = _loss_and_grads(model, ids, labels)
+        for k in eager:
+            torch.testing.assert_close(grads[k], eager[k])
+        first = first or counter.frame_count
+    assert counter.frame_count == first
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bad_target_gives_nan_row_in_compiled_code(strategy):
+    """Compiled code does not wait for the GPU to check targets: the bad row is NaN (its
+    gradient too), every other row as eager; eager raises."""
+    gen = torch.Generator().manual_seed(3)
+    model = TinyLM(strategy=strategy, reduction="none", tuning=SMALL_BLOCKS)
+    ids, good = torch.randint(0, V, (N,), generator=gen), _labels((N,), gen, ignored=(2,))
+    bad = good.clone()
+    bad[5] = V + 3
+    with pytest.raises(ValueError, match="target"):
+        model(ids, bad)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(ids, bad)
+    assert torch.isnan(out[5]) and torch.isfinite(out[torch.arange(N) != 5]).all()
+    torch.testing.assert_close(out[torch.arange(N) != 5], model(ids, good)[torch.arange(N) != 5])
+    mean = torch.compile(TinyLM(strategy=strategy, tuning=SMALL_BLOCKS), fullgraph=True, backend="aot_eager")(ids, bad)
+    assert torch.isnan(mean)
+
+
+def test_compiled_options_match_eager():
+    """num_items_in_batch, gradient filtering (compiled: dropped tiles zeroed, not gathered)
+    and the DV layout."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(N, D, generator=gen, requires_grad=True)
+    W = torch.randn(D, V, generator=gen, requires_grad=True)
+    y = _labels((N,), gen, ignored=(0, 7))
+    opts = dict(weight_layout="DV", num_items_in_batch=torch.tensor(40), filter_eps=2.0**-6, strategy="speed",
+                tuning=SMALL_BLOCKS)
+
+    def f(x, W, y):
+        return torch_impl.linear_cross_entropy(x, W, y, **opts)
+
+    eager = f(x, W, y)
+    eager_grads = torch.autograd.grad(eager, (x, W))
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, W, y)
+    torch.testing.assert_close(compiled, eager)
+    for g, e in zip(torch.autograd.grad(compiled, (x, W)), eager_grads):
+        torch.testing.assert_close(g, e)
+
+
+def test_compiled_call_checks_its_arguments():
+    x, W = torch.randn(N, D), torch.randn(V, D + 1)
+    f = torch.compile(lambda x, W, y: torch_impl.linear_cross_entropy(x, W, y), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="linear_weight"):
+        f(x, W, torch.zeros(N, dtype=torch.int64))
+    g = torch.compile(lambda x, W, y: torch_impl.linear_cross_entropy(x, W, y, reduction="avg"), fullgraph=True,
+                      backend="aot_eager")
+    with pytest.raises(Exception, match="reduction"):
+        g(x, W[:, :D], torch.zeros(N, dtype=torch.int64))
+
+
+def _compare(f, args, grad_of, reduce=lambda out: out.sum()):
+    """f compiled (fullgraph) against f eager: outputs and the gradients of reduce(out)
+    with respect to args[i] for i in grad_of."""
+    def run(fn):
+        out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = torch.autograd.grad(reduce(out), [args[i] for i in grad_of])
+        return outs, grads
+
+    eager = run(f)
+    compiled = run(torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True))
+    for e, c in zip(eager[0] + eager[1], compiled[0] + compiled[1]):
+        torch.testing.assert_close(c, e, equal_nan=True)
+    return compiled[0]
+
+
+def _head(gen, dtype=torch.float32, vocab=V):
+    x = torch.randn(N, D, generator=gen).to(dtype).requires_grad_()
+    W = (torch.randn(vocab, D, generator=gen) * 0.5).to(dtype).requires_grad_()
+    return x, W
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiled_topk_distillation_matches_eager(strategy, reduction):
+    gen = torch.Generator().manual_seed(7)
+    x, W = _head(gen)
+    b = torch.randn(V, generator=gen, requires_grad=True)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:5] for _ in range(N)])
+    ids[2, 3] = -1  # padding
+    logprobs = torch.log_softmax(torch.randn(N, 5, generator=gen), -1)
+    y = _labels((N,), gen, ignored=(4,))
+
+    def f(x, W, b):
+        return torch_impl.linear_topk_distillation(x, W, ids, logprobs, target=y, linear_bias=b, weight_hard=0.3,
+                                                   temperature=2.0, reduction=reduction, strategy=strategy,
+                                                   num_items_in_batch=20 if reduction == "mean" else None,
+                                                   tuning=SMALL_BLOCKS)
+
+    _compare(f, (x, W, b), (0, 1, 2), reduce=lambda out: (out * 1.5).sum())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("reduction, divergence", [("mean", "forward_kl"), ("none", "jsd"), ("sum", "reverse_kl")])
+def test_compiled_dense_distillation_matches_eager(strategy, reduction, divergence):
+    gen = torch.Generator().manual_seed(8)
+    x, W = _head(gen)
+    xt, Wt = _head(gen, vocab=V + 4)
+    row_mask = torch.rand(N, generator=gen) > 0.2
+
+    def f(x, W):
+        return torch_impl.linear_distillation(x, W, xt, Wt, row_mask=row_mask, divergence=divergence,
+                                              reduction=reduction, strategy=strategy, tuning=SMALL_BLOCKS)
+
+    _compare(f, (x, W), (0, 1), reduce=lambda out: (out * 1.5).sum())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compiled_log_probs_match_eager(strategy):
+    """A GRPO-like function of log-probabilities and entropy."""
+    gen = torch.Generator().manual_seed(9)
+    x, W = _head(gen)
+    b = torch.randn(V, generator=gen, requires_grad=True)
+    y = _labels((N,), gen, ignored=(1,))
+    advantages = torch.randn(N, generator=gen)
+
+    def f(x, W, b):
+        return torch_impl.linear_log_probs(x, W, y, linear_bias=b, temperature=0.7, return_entropy=True,
+                                           return_argmax=True, strategy=strategy, tuning=SMALL_BLOCKS)
+
+    def grpo(out):
+        logp, entropy, _ = out
+        return -(torch.exp(logp - logp.detach()) * advantages).sum() - 0.01 * entropy.sum()
+
+    _compare(f, (x, W, b), (0, 1, 2), reduce=grpo)
+
+
+def test_compiled_distillation_and_log_probs_give_nan_rows_for_bad_ids():
+    """A teacher id >= V, a bad hard target, a bad log-prob target: NaN rows, never a read
+    outside the head; eager raises."""
+    gen = torch.Generator().manual_seed(10)
+    x, W = _head(gen)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:4] for _ in range(N)])
+    ids[3, 1] = V + 7
+    logprobs = torch.log_softmax(torch.randn(N, 4, generator=gen), -1)
+    y = _labels((N,), gen, bad=(6,))
+    topk = lambda x, W: torch_impl.linear_topk_distillation(x, W, ids, logprobs, target=y, weight_hard=0.5,
+                                                            reduction="none", strategy="speed", tuning=SMALL_BLOCKS)
+    log_probs = lambda x, W: torch_impl.linear_log_probs(x, W, y, strategy="memory", tuning=SMALL_BLOCKS)
+    for f, bad_rows in ((topk, {3, 6}), (log_probs, {6})):
+        with pytest.raises(ValueError):
+            f(x, W)
+        out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, W)
+        assert {i for i in range(N) if torch.isnan(out[i])} == bad_rows
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Gemma2ForCausalLM"])
+def test_patched_transformers_model_compiles_whole(name):
+    """A Hugging Face causal LM patched to the fused loss compiles with fullgraph=True; its
+    loss and every gradient equal the unpatched eager model's."""
+    pytest.importorskip("transformers")
+    from tests.test_transformers import assert_same_step, make_batch, make_model, train_step
+    from torch_impl.transformers import patch_causal_lm
+
+    reference, model = make_model(name), make_model(name)
+    patch_causal_lm(model)
+    expected = train_step(reference, **make_batch())
+    out, _ = train_step(torch.compile(model, fullgraph=True, backend="aot_eager"), **make_batch())
+    assert_same_step(expected, (out, {k: p.grad for k, p in model.named_parameters()}))
+
+
+def test_compiled_model_benchmark_runs(tmp_path):
+    """`python -m bench.compiled_model` on the CPU with a tiny Llama: every method gives the
+    same loss; the patched model compiles as one graph, two with the loss kept out."""
+    pytest.importorskip("transformers")
+    import json
+
+    from bench import compiled_model
+
+    out = tmp_path / "compiled.json"
+    compiled_model.main(["--tiny", "--backend", "aot_eager", "--seq", "16", "--repeat", "1", "--json", str(out),
+                         "--methods", "eager,compile,ours,ours-compile,ours-graph-break"])
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    for r in rows.values():
+        assert abs(r["loss"] - rows["eager"]["loss"]) <= 1e-5 * abs(rows["eager"]["loss"]), r
+    assert rows["ours-compile"]["graphs"] == 1 and rows["ours-graph-break"]["graphs"] == 2
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor on a CPU needs a C++ compiler")
+def test_inductor_compiles_a_model_with_the_loss():
+    gen = torch.Generator().manual_seed(5)
+    model = TinyLM(strategy="chunked")
+    ids, labels = torch.randint(0, V, (2, 9), generator=gen), _labels((2, 9), gen, ignored=(3,))
+    _, eager = _loss_and_grads(model, ids, labels)
+    _, grads = _loss_and_grads(torch.compile(model, fullgraph=True), ids, labels)
+    for k in eager:
+        torch.testing.assert_close(grads[k], eager[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_cuda_inductor_and_cuda_graph_training_step(strategy):
+    """A bf16 model compiled by Inductor equals eager; a training step (forward, backward,
+    optimizer) captured in a CUDA graph and replayed on new data gives eager's gradients."""
+    torch.manual_seed(6)
+    dev = torch.device("cuda")
+    model = TinyLM(dtype=torch.bfloat16, strategy=strategy).to(dev)
+    ids, labels = torch.randint(0, V, (4, 64), device=dev), torch.randint(0, V, (4, 64), device=dev)
+    labels[0, :5] = -100
+    _, eager = _loss_and_grads(model, ids, labels)
+    _, grads = _loss_and_grads(torch.compile(model, fullgraph=True, dynamic=True), ids, labels)
+    for k in eager:
+        torch.testing.assert_close(grads[k], eager[k], **_tolerance(torch.bfloat16))
+
+    static_ids, static_labels = ids.clone(), labels.clone()
+    compiled = torch.compile(model, fullgraph=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (compiles, autotunes)
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            compiled(static_ids, static_labels).backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        static_loss = compiled(static_ids, static_labels)
+        static_loss.backward()
+    new_ids, new_labels = torch.randint(0, V, (4, 64), device=dev), torch.randint(0, V, (4, 64), device=dev)
+    static_ids.copy_(new_ids)
+    static_labels.copy_(new_labels)
+    for p in model.parameters():
+        p.grad.zero_()
+    graph.replay()
+    replayed = {k: p.grad.clone() for k, p in model.named_parameters()}
+    loss, eager = _loss_and_grads(model, new_ids, new_labels)
+    torch.testing.assert_close(static_loss, loss, **_tolerance(torch.bfloat16))
+    for k in eager:
+        torch.testing.assert_close(replayed[k], eager[k], **_tolerance(torch.bfloat16))
