@@ -14,8 +14,8 @@ CPU), in bf16 on a GPU, one process. Methods:
 - `liger`: Liger's patch of Llama (eager), where liger-kernel is installed.
 
 Per method: the step's median ms (after warm-up steps, which compile), the peak memory beyond
-the model and the batch (GPUs), the loss, and the graphs Dynamo compiled (a graph break
-makes two). `--json` writes the results.
+the model and the batch (GPUs), the loss, and the graphs Dynamo compiled (more than one
+where a graph breaks). `--json` writes the results.
 """
 
 from __future__ import annotations

