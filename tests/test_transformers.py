@@ -243,6 +243,24 @@ def test_eval_mode_and_no_labels_run_the_original(name):
         assert torch.equal(out.logits, ref_out.logits)
         assert (out.loss is None and ref_out.loss is None) or torch.equal(out.loss, ref_out.loss)
         reference.eval(), patched.eval()
+    prompt = batch["input_ids"][:, :4]
+    assert torch.equal(patched.generate(prompt, max_new_tokens=3, do_sample=False),
+                       reference.generate(prompt, max_new_tokens=3, do_sample=False))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_fused_call_warns_of_nothing_the_original_does_not(name):
+    """No deprecation or other warning of the fused call that the original's call with labels
+    does not give (transformers 5.24 deprecates names such as past_key_values)."""
+    reference = make_model(name)
+    patched = patch_causal_lm(copy.deepcopy(reference))
+    messages = []
+    for model in (reference, patched):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(**make_batch(), use_cache=True).loss.backward()
+        messages.append({str(w.message) for w in caught})
+    assert messages[1] <= messages[0], messages[1] - messages[0]
 
 
 class ModulesToSave(nn.Module):
@@ -392,6 +410,27 @@ def test_what_is_not_a_causal_lm_is_refused():
     custom.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
     with pytest.raises(ValueError, match="LlamaForCausalLM: its loss_function is .* not transformers' causal-LM loss"):
         custom(**make_batch())
+
+
+def test_trainer_with_gradient_accumulation_matches_the_unpatched_run(tmp_path, monkeypatch):
+    """examples/trainer_torch.py's Trainer run (two micro-batches a step, with different counts
+    of valid labels): the patched model gets num_items_in_batch from the Trainer, and its
+    losses and final weights are the unpatched run's."""
+    pytest.importorskip("accelerate")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trainer_example", os.path.join(ROOT, "examples", "trainer_torch.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    seen, fused = [], patching.linear_cross_entropy
+    monkeypatch.setattr(patching, "linear_cross_entropy",
+                        lambda *args, **kwargs: seen.append(kwargs["num_items_in_batch"]) or fused(*args, **kwargs))
+    reference, ref_losses = example.train(4, patched=False, out_dir=str(tmp_path / "reference"))
+    model, losses = example.train(4, patched=True, out_dir=str(tmp_path / "patched"))
+    assert len(seen) == 8 and all(torch.is_tensor(n) or isinstance(n, int) for n in seen)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_the_finetuning_example_learns():

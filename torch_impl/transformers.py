@@ -47,7 +47,8 @@ Under FSDP2 (``fully_shard``) the head is a plain tensor when its group is the r
 forward has gathered it; a head sharded on its own is met as a DTensor and gathered once per
 call, its gradient reduce-scattered as FSDP2 reduces its other parameters'. Inside
 ``torch.compile`` the fused forward traces whole (the loss is a custom op); patch an instance
-(which installs the head's hook) before compiling it.
+(which installs the head's hook) before compiling it. CI tests the oldest transformers
+supported (4.57) and the newest pip offers.
 """
 
 from __future__ import annotations
@@ -334,7 +335,9 @@ def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keywo
             raise ValueError(f"{type(self).__name__} returns aux_loss without router_aux_loss_coef: the fused loss "
                              "does not know how the original adds it")
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    output.loss, output.logits = loss, None
+    # a new output of the original's class: a ModelOutput's keys are fixed when it is made
+    output = type(output)(**{**{f.name: getattr(output, f.name) for f in dataclasses.fields(output)},
+                             "loss": loss, "logits": None})
     return output if (self.config.return_dict if return_dict is None else return_dict) else _positional_tuple(output)
 
 
