@@ -55,6 +55,7 @@ CONFIGS = {  # model class -> (config class, options beyond COMMON)
     "GraniteMoeForCausalLM": ("GraniteMoeConfig", {**MOE, "logits_scaling": 4.0}),
 }
 FAMILIES = [name for name in CONFIGS if hasattr(transformers, name)]  # those the installed transformers has
+MOE_FAMILIES = [name for name in FAMILIES if "output_router_logits" in CONFIGS[name][1]]
 TRANSFORMED = [name for name in FAMILIES if {"final_logit_softcapping", "logits_scaling", "logit_scale"} & set(CONFIGS[name][1])]
 
 
@@ -244,8 +245,9 @@ def test_eval_mode_and_no_labels_run_the_original(name):
         assert (out.loss is None and ref_out.loss is None) or torch.equal(out.loss, ref_out.loss)
         reference.eval(), patched.eval()
     prompt = batch["input_ids"][:, :4]
-    assert torch.equal(patched.generate(prompt, max_new_tokens=3, do_sample=False),
-                       reference.generate(prompt, max_new_tokens=3, do_sample=False))
+    # without the router loss, which transformers 4.57 fails to compute over a cache
+    options = dict(max_new_tokens=3, do_sample=False, **({"output_router_logits": False} if name in MOE_FAMILIES else {}))
+    assert torch.equal(patched.generate(prompt, **options), reference.generate(prompt, **options))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
