@@ -4,9 +4,12 @@ passes num_items_in_batch through to it, and the run is the unpatched run's.
     python examples/trainer_torch.py --steps 8
 
 A tiny Llama built from a config (no download) learns a repeating token pattern on the
-CPU. Any Trainer setting works as usual: the patch changes the model's forward only. With
-TRL's SFTTrainer, pass the patched model the same way; its logits-based metrics (token
-accuracy, entropy) need the logits the fused loss does not build.
+CPU. Any Trainer setting works as usual: the patch changes the model's forward only.
+
+TRL's SFTTrainer computes the loss through the same Trainer path with ``loss_type="nll"``
+(set it: newer TRL defaults to "chunked_nll", which replaces the model's forward itself);
+its token-accuracy and entropy metrics read ``outputs.logits``, which the fused loss does
+not build, so give it a subclass whose ``compute_loss`` is ``transformers.Trainer.compute_loss``.
 """
 
 from __future__ import annotations

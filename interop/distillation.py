@@ -12,23 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from interop.options import DEFAULT_IGNORE_INDEX, FLOAT_DTYPES, INT_DTYPES, _as_float, check_bias, check_reduction
+from interop.options import (DEFAULT_IGNORE_INDEX, FLOAT_DTYPES, INT_DTYPES, as_float, check_bias, check_reduction,
+                             nonnegative, positive, set_ignore_index, set_softcap)
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-
-
-def _positive(name: str, value) -> float:
-    v = _as_float(name, value)
-    if not (v > 0.0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return v
-
-
-def _nonnegative(name: str, value) -> float:
-    v = _as_float(name, value)
-    if not (v >= 0.0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,18 +48,17 @@ class TopKDistillationOptions:
     softcap: float | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "temperature", _positive("temperature", self.temperature))
-        object.__setattr__(self, "weight_soft", _nonnegative("weight_soft", self.weight_soft))
-        object.__setattr__(self, "weight_hard", _nonnegative("weight_hard", self.weight_hard))
+        object.__setattr__(self, "temperature", positive("temperature", self.temperature))
+        object.__setattr__(self, "weight_soft", nonnegative("weight_soft", self.weight_soft))
+        object.__setattr__(self, "weight_hard", nonnegative("weight_hard", self.weight_hard))
         for name in ("renormalize_teacher", "tail_bucket", "temperature_squared"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.tail_bucket and self.renormalize_teacher:
             raise ValueError("tail_bucket=True needs renormalize_teacher=False (a renormalised teacher has no missing mass)")
         check_reduction(self.reduction)
-        _check_ignore_index(self)
-        if self.softcap is not None:
-            object.__setattr__(self, "softcap", _positive("softcap", self.softcap))
+        set_ignore_index(self)
+        set_softcap(self)
 
     @property
     def kd_scale(self) -> float:
@@ -104,27 +90,20 @@ class DenseDistillationOptions:
     def __post_init__(self):
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
-        beta = _as_float("beta", self.beta)
+        beta = as_float("beta", self.beta)
         if not 0.0 < beta < 1.0:
             raise ValueError(f"beta must lie in (0, 1) (use divergence='forward_kl' or 'reverse_kl' for the ends), got {self.beta!r}")
         object.__setattr__(self, "beta", beta)
-        object.__setattr__(self, "temperature", _positive("temperature", self.temperature))
+        object.__setattr__(self, "temperature", positive("temperature", self.temperature))
         if not isinstance(self.temperature_squared, bool):
             raise ValueError(f"temperature_squared must be True or False, got {self.temperature_squared!r}")
         check_reduction(self.reduction)
-        _check_ignore_index(self)
+        set_ignore_index(self)
 
     @property
     def scale(self) -> float:
         """T**2 with temperature_squared, else 1."""
         return self.temperature**2 if self.temperature_squared else 1.0
-
-
-def _check_ignore_index(opts) -> None:
-    if opts.ignore_index is None:
-        object.__setattr__(opts, "ignore_index", DEFAULT_IGNORE_INDEX)
-    if isinstance(opts.ignore_index, bool) or not isinstance(opts.ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {opts.ignore_index!r}")
 
 
 @dataclasses.dataclass(frozen=True)

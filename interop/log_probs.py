@@ -5,9 +5,8 @@ temperature, for RL and preference losses), shared by both frameworks (interop/S
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from interop.options import DEFAULT_IGNORE_INDEX, _as_float
+from interop.options import DEFAULT_IGNORE_INDEX, positive, set_ignore_index, set_softcap
 
 @dataclasses.dataclass(frozen=True)
 class LogProbsOptions:
@@ -23,16 +22,6 @@ class LogProbsOptions:
     ignore_index: int = DEFAULT_IGNORE_INDEX
 
     def __post_init__(self):
-        t = _as_float("temperature", self.temperature)
-        if not (t > 0.0 and math.isfinite(t)):
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
-        object.__setattr__(self, "temperature", t)
-        if self.softcap is not None:
-            cap = _as_float("softcap", self.softcap)
-            if not (cap > 0.0 and math.isfinite(cap)):
-                raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
-            object.__setattr__(self, "softcap", cap)
-        if self.ignore_index is None:
-            object.__setattr__(self, "ignore_index", DEFAULT_IGNORE_INDEX)
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        object.__setattr__(self, "temperature", positive("temperature", self.temperature))
+        set_softcap(self)
+        set_ignore_index(self)

@@ -44,32 +44,57 @@ class CrossEntropyOptions:
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
-        if self.ignore_index is None:
-            object.__setattr__(self, "ignore_index", DEFAULT_IGNORE_INDEX)
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        eps = _as_float("label_smoothing", self.label_smoothing)
+        set_ignore_index(self)
+        eps = as_float("label_smoothing", self.label_smoothing)
         if not 0.0 <= eps <= 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1], got {self.label_smoothing!r}")
-        zl = _as_float("z_loss", self.z_loss)
-        if not (zl >= 0.0 and math.isfinite(zl)):
-            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss!r}")
         object.__setattr__(self, "label_smoothing", eps)
-        object.__setattr__(self, "z_loss", zl)
-        if self.softcap is not None:
-            cap = _as_float("softcap", self.softcap)
-            if not (cap > 0.0 and math.isfinite(cap)):
-                raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
-            object.__setattr__(self, "softcap", cap)
+        object.__setattr__(self, "z_loss", nonnegative("z_loss", self.z_loss))
+        set_softcap(self)
 
 
-def _as_float(name: str, value) -> float:
+def as_float(name: str, value) -> float:
+    """value as a float, or ValueError naming the option (a bool is not a number here)."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def positive(name: str, value) -> float:
+    """A finite number > 0, or ValueError naming the option."""
+    v = as_float(name, value)
+    if not (v > 0.0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return v
+
+
+def nonnegative(name: str, value) -> float:
+    """A finite number >= 0, or ValueError naming the option."""
+    v = as_float(name, value)
+    if not (v >= 0.0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return v
+
+
+def set_ignore_index(opts) -> None:
+    """An options dataclass's ignore_index: None becomes -100 (as PyTorch's functions take
+    it); anything but an int raises ValueError."""
+    if opts.ignore_index is None:
+        object.__setattr__(opts, "ignore_index", DEFAULT_IGNORE_INDEX)
+    if isinstance(opts.ignore_index, bool) or not isinstance(opts.ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {opts.ignore_index!r}")
+
+
+def set_softcap(opts) -> None:
+    """An options dataclass's softcap: None, or a finite number > 0 (as a float)."""
+    if opts.softcap is not None:
+        cap = as_float("softcap", opts.softcap)
+        if not (cap > 0.0 and math.isfinite(cap)):
+            raise ValueError(f"softcap must be None or a finite number > 0, got {opts.softcap!r}")
+        object.__setattr__(opts, "softcap", cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +208,7 @@ def check_filter_eps(filter_eps):
     The target's own term is never dropped. Returns it as a float (or None)."""
     if filter_eps is None:
         return None
-    e = _as_float("filter_eps", filter_eps)
+    e = as_float("filter_eps", filter_eps)
     if not (e >= 0.0 and math.isfinite(e)):
         raise ValueError(f"filter_eps must be None or a finite number >= 0, got {filter_eps!r}")
     return e
