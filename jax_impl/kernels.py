@@ -119,6 +119,21 @@ def _logits(z_ref, b_ref, row, v0, start, block, mask):
     return z
 
 
+def _grad_columns(z_ref, b_ref, row, v0, start, block, C, cap):
+    """A gradient kernel's columns start..start+block of a row: (their offsets, the mask of
+    those < C, the logits z + b, s = softcap(z + b)); fp32 [block] each."""
+    offs = start + jnp.arange(block)
+    mask = offs < C
+    z = _logits(z_ref, b_ref, row, v0, start, block, mask)
+    return offs, mask, z, z if cap is None else cap * jnp.tanh(z / cap)
+
+
+def _store_dz(dz_ref, row, start, block, mask, ds, z, cap):
+    """Write dz = ds * softcap'(z) (ds: the gradient of the capped logits s) in dz_ref's dtype."""
+    dz = ds if cap is None else ds * softcap_slope(z, cap)
+    plt.store(dz_ref.at[row, pl.ds(start, block)], dz.astype(dz_ref.dtype), mask=mask)
+
+
 def _capped(z_ref, b_ref, row, v0, start, block, mask, cap):
     """softcap(z + b), fp32 [block], of a row's columns start..start+block. jnp.tanh: the
     Triton lowering calls libdevice's tanhf (as jnp.exp its expf), accurate for any
@@ -203,10 +218,7 @@ def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, 
 
     def body(i, carry):
         start = i * block
-        offs = start + jnp.arange(block)
-        mask = offs < C
-        z = _logits(z_ref, b_ref, row, v0, start, block, mask)
-        s = z if cap is None else cap * jnp.tanh(z / cap)
+        offs, mask, z, s = _grad_columns(z_ref, b_ref, row, v0, start, block, C, cap)
         dz = p_coef * jnp.exp(s * scale - lse) - jnp.where(offs == y, t_coef, 0.0)
         if has_p2:
             dz = dz + p2_coef * jnp.exp(s - lse2)
@@ -214,9 +226,7 @@ def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, 
             dz = dz - s_coef * plt.load(cw_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
         else:
             dz = dz - s_coef
-        if cap is not None:
-            dz = dz * softcap_slope(z, cap)
-        plt.store(dz_ref.at[row, pl.ds(start, block)], dz.astype(dz_ref.dtype), mask=mask)
+        _store_dz(dz_ref, row, start, block, mask, dz, z, cap)
         return carry
 
     column_loop(C, block, body, 0)

@@ -20,8 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from interop.tuning import JAX_ROW_KERNEL_PARAMS
-from jax_impl.kernels import (_block, _capped, _load_scalar, _logits, _store_scalar, column_loop, max_keep_nan, pallas,
-                              reduce_max_keep_nan, softcap_slope)
+from jax_impl.kernels import (_block, _capped, _grad_columns, _load_scalar, _store_dz, _store_scalar, column_loop,
+                              max_keep_nan, pallas, reduce_max_keep_nan)
 
 NO_COLUMN = 2**30  # an index above any column: the running argmax before its first value
 
@@ -97,19 +97,13 @@ def _grad_kernel(v0_ref, z_ref, *refs, C, cap, inv_t, has_bias, has_h, block):
 
     def body(i, carry):
         start = i * block
-        offs = start + jnp.arange(block)
-        mask = offs < C
-        z = _logits(z_ref, b_ref, row, v0, start, block, mask)
-        s = z if cap is None else cap * jnp.tanh(z / cap)
+        offs, mask, z, s = _grad_columns(z_ref, b_ref, row, v0, start, block, C, cap)
         log_p = s * inv_t - lse
         p = jnp.exp(log_p)
         du = jnp.where(offs == y, g, 0.0) - g * p
         if has_h:  # dH/du_j = -p_j (log p_j + H); 0 where p_j is (log p_j = -inf)
             du = du - g_h * jnp.where(p == 0.0, 0.0, p * (log_p + entropy))
-        dz = du * inv_t
-        if cap is not None:
-            dz = dz * softcap_slope(z, cap)
-        plt.store(dz_ref.at[row, pl.ds(start, block)], dz.astype(dz_ref.dtype), mask=mask)
+        _store_dz(dz_ref, row, start, block, mask, du * inv_t, z, cap)
         return carry
 
     column_loop(C, block, body, 0)
