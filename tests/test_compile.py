@@ -311,6 +311,26 @@ def test_compiled_model_benchmark_runs(tmp_path):
     assert rows["ours-compile"]["graphs"] == 1 and rows["ours-graph-break"]["graphs"] > 1
 
 
+def test_a_head_split_over_ranks_runs_as_an_eager_step_in_compiled_code():
+    """vocab_parallel (a process group, which an op can't take) inside torch.compile: one
+    eager step (a graph break), equal to the eager call; fullgraph refuses it."""
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(11)
+    x, W = _head(gen)
+    y = _labels((N,), gen)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        f = lambda x, W: torch_impl.linear_cross_entropy(x, W, y, vocab_parallel=dist.group.WORLD, tuning=SMALL_BLOCKS)
+        eager = f(x, W)
+        torch.testing.assert_close(torch.compile(f, backend="aot_eager")(x, W), eager)
+        torch._dynamo.reset()  # Dynamo's cache of f's frame would answer the next call
+        with pytest.raises(Exception, match="disable|graph break|Unsupported|skip"):
+            torch.compile(f, fullgraph=True, backend="aot_eager")(x, W)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor on a CPU needs a C++ compiler")
 def test_inductor_compiles_a_model_with_the_loss():
     gen = torch.Generator().manual_seed(5)

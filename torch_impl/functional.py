@@ -83,13 +83,17 @@ def kernels_can_run(x: torch.Tensor) -> bool:
 
 
 def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int, t: Tuning) -> str:
-    """Resolve "auto" and route to "chunked" where the kernels can't run."""
+    """Resolve "auto" and route to "chunked" where the kernels can't run. While a CUDA graph
+    is captured, "auto" is "memory": the free memory then says nothing of the graph's pool,
+    and a replay cannot choose again."""
     if strategy == "chunked" or not kernels_can_run(x):
         return "chunked"
     if strategy != "auto":
         return strategy
     if not x.is_cuda:
         return "chunked"
+    if torch.cuda.is_current_stream_capturing():
+        return "memory"
     free, _ = torch.cuda.mem_get_info(x.device)
     extra = speed_extra_bytes(t, n_rows, hidden, vocab, x.element_size())
     return "speed" if extra <= 0.25 * free else "memory"
