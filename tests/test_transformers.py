@@ -153,6 +153,60 @@ def _fsdp2_worker(rank: int, world: int, port: int) -> None:
     leave()
 
 
+def _tensor_parallel_worker(rank: int, world: int, port: int) -> None:
+    """One gloo rank of `test_a_tensor_parallel_head_is_split_not_gathered`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import torch_impl.vocab_parallel as vocab_parallel
+    from bench.distributed import leave
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        split, gathered = vocab_parallel.vocab_slice, vocab_parallel._gathered
+        calls = []
+        vocab_parallel.vocab_slice = lambda *args: calls.append("split") or split(*args)
+        vocab_parallel._gathered = lambda t: calls.append("gathered") or gathered(t)
+        # patched after and before the split (the head's hooks then meet a DTensor input, or a
+        # plain one); Phi has a head bias, split with the head
+        for name, patch_first in (("LlamaForCausalLM", False), ("PhiForCausalLM", True)):
+            steps = []
+            for patch in (False, True):
+                model = make_model(name)
+                if patch and patch_first:
+                    patch_causal_lm(model)
+                # the head split over the vocabulary, its logits gathered (transformers' "colwise_gather_output")
+                parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+                if patch and not patch_first:
+                    patch_causal_lm(model)
+                out, grads = train_step(model, **make_batch())
+                steps.append((out, {k: None if g is None else getattr(g, "full_tensor", lambda: g)() for k, g in grads.items()}))
+            assert_same_step(*steps)
+        assert calls == ["split", "split"], calls
+        model = steps = out = grads = None
+    finally:
+        dist.destroy_process_group()
+    leave()
+
+
+def test_a_tensor_parallel_head_is_split_not_gathered():
+    """A head that tensor parallelism splits over its vocabulary (ColwiseParallel) on 2 gloo
+    ranks: the fused loss splits the classes the same way (never gathering the head), and
+    the loss and every gradient equal the unpatched tensor-parallel model's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_tensor_parallel_worker, args=(2, port), nprocs=2, join=True)
+
+
 def test_fsdp2_model_benchmark_runs_on_two_gloo_ranks(tmp_path):
     """`torchrun -m bench.fsdp_model` (the multi-GPU model benchmark's command) on 2 CPU ranks
     with a tiny Llama: both methods run and give the same loss."""

@@ -45,7 +45,10 @@ task's) raises ValueError naming it.
 
 Under FSDP2 (``fully_shard``) the head is a plain tensor when its group is the root's, whose
 forward has gathered it; a head sharded on its own is met as a DTensor and gathered once per
-call, its gradient reduce-scattered as FSDP2 reduces its other parameters'. Inside
+call, its gradient reduce-scattered as FSDP2 reduces its other parameters'. A head that
+tensor parallelism splits over its vocabulary (``ColwiseParallel``, transformers' "colwise"
+plans) stays split: the loss splits the classes over the same ranks, exchanging a few
+floats per row (`torch_impl.vocab_parallel`). Inside
 ``torch.compile`` the fused forward traces whole (the loss is a custom op); patch an instance
 (which installs the head's hook) before compiling it. CI tests the oldest transformers
 supported (4.57) and the newest pip offers.
@@ -102,7 +105,8 @@ def _logits_hook(module, args, output):
     """Forward hook of a patched model's head: the head's own logits at the kept position,
     kept when the call checks the transforms after it."""
     if _CAPTURES and _CAPTURES[-1].head is module and _CAPTURES[-1].check:
-        _CAPTURES[-1].logits = output
+        # a head split by tensor parallelism whose hooks run after this one: its shard, gathered
+        _CAPTURES[-1].logits = output.full_tensor() if hasattr(output, "full_tensor") else output
 
 
 def _install_hooks(head: nn.Module) -> None:
@@ -223,8 +227,29 @@ def _causal_lm_loss(
     if scale != 1.0:
         x = x * scale
         bias = None if bias is None else bias * scale
-    return linear_cross_entropy(x, lm_head.weight, shift_labels.reshape(-1).to(hidden_states.device), linear_bias=bias,
+    return linear_cross_entropy(_tensor_parallel_input(x, lm_head), lm_head.weight,
+                                shift_labels.reshape(-1).to(hidden_states.device), linear_bias=bias,
                                 ignore_index=ignore_index, softcap=softcap, num_items_in_batch=num_items_in_batch)
+
+
+def _tensor_parallel_input(x: torch.Tensor, lm_head: nn.Linear):
+    """x as a DTensor replicated on the head's mesh when tensor parallelism splits the head
+    over its vocabulary (a Shard(0) DTensor weight, as ColwiseParallel and transformers'
+    "colwise" plans make it, on a module FSDP2 does not manage): the loss then splits the
+    classes over the ranks as the head does (`torch_impl.vocab_parallel`), where a plain x
+    would have the head gathered. Else x."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    weight = lm_head.weight
+    if not isinstance(weight, DTensor) or isinstance(x, DTensor) or tuple(weight.placements) != (Shard(0),):
+        return x
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
+    if isinstance(lm_head, FSDPModule):  # FSDP2's shards split the rows of the batch, not the classes
+        return x
+    return DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
 
 
 def _is_modules_to_save(head: nn.Module) -> bool:
