@@ -1,5 +1,6 @@
 """`torchrun --nproc-per-node P -m bench.fsdp_model`: a training step of a Llama-like Hugging
-Face model under FSDP2, patched (`torch_impl.transformers.patch_causal_lm`) and unpatched.
+Face model under FSDP2 (or, with `--head tp`, its head split by tensor parallelism), patched
+(`torch_impl.transformers.patch_causal_lm`) and unpatched.
 
 The model is built from a config (random weights, no download): by default a Llama-3 head
 (V 128256, D 2048) on 4 decoder layers, in bf16. FSDP2 wraps each decoder layer and the model,
@@ -29,10 +30,14 @@ TINY = dict(vocab_size=1001, hidden_size=32, intermediate_size=64, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=256)
 
 
-def build(config: dict, method: str, mesh, dtype, device):
-    """The sharded model of `method`: the same weights (seed 0) for every method."""
+def build(config: dict, method: str, mesh, dtype, device, head: str = "fsdp"):
+    """The sharded model of `method`: the same weights (seed 0) for every method. head="tp":
+    the head split over its vocabulary by tensor parallelism (ColwiseParallel, its logits
+    gathered, as transformers' "colwise_gather_output"), the decoder replicated."""
     import transformers
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from torch_impl.transformers import patch_causal_lm
 
@@ -40,32 +45,36 @@ def build(config: dict, method: str, mesh, dtype, device):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(device=device, dtype=dtype).train()
     if method == "ours":
         patch_causal_lm(model)
+    if head == "tp":
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+        return model
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def batch(config: dict, rows: int, seq: int, device):
-    """This rank's input_ids and labels [rows, seq] (10% of labels -100), and the global count
-    of valid (shifted) labels."""
-    gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
+def batch(config: dict, rows: int, seq: int, device, same_rows: bool = False):
+    """This rank's input_ids and labels [rows, seq] (10% of labels -100; the same on every
+    rank with same_rows), and the global count of valid (shifted) labels."""
+    gen = torch.Generator(device=device).manual_seed(1 + (0 if same_rows else dist.get_rank()))
     ids = torch.randint(0, config["vocab_size"], (rows, seq), device=device, generator=gen)
     labels = ids.masked_fill(torch.rand(rows, seq, device=device, generator=gen) < 0.1, -100)
     count = (labels[:, 1:] != -100).sum()
-    dist.all_reduce(count)
+    if not same_rows:
+        dist.all_reduce(count)
     return {"input_ids": ids, "labels": labels, "num_items_in_batch": count}
 
 
-def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int) -> list[dict]:
+def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int, head: str = "fsdp") -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    inputs = batch(config, rows, seq, device)
+    inputs = batch(config, rows, seq, device, same_rows=head == "tp")
     results = []
     for method in methods:
-        model = build(config, method, mesh, dtype, device)
+        model = build(config, method, mesh, dtype, device, head)
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -74,7 +83,7 @@ def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int) -> list[
             return out.loss.detach()
 
         dist.barrier()
-        row = {"method": method, "P": dist.get_world_size(), "rows_per_rank": rows, "seq": seq,
+        row = {"method": method, "head": head, "P": dist.get_world_size(), "rows_per_rank": rows, "seq": seq,
                "step_ms": measure.time_ms(step, device, repeat=repeat)}
         peak = measure.peak_extra_bytes(step, device) if device.type == "cuda" else None
         row["loss"] = float(step())
@@ -99,6 +108,9 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU runs)")
+    parser.add_argument("--head", choices=("fsdp", "tp"), default="fsdp",
+                        help="fsdp: FSDP2 over every rank (rows split); tp: only the head split over its vocabulary "
+                             "(tensor parallel), the same rows on every rank")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps (default 10 on GPUs, 2 on CPUs)")
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
@@ -106,7 +118,7 @@ def main(argv=None):
 
     def body(gpu: bool, dtype):
         return {"results": run(config, args.methods.split(","), args.rows, args.seq, dtype,
-                               args.repeat or (10 if gpu else 2))}
+                               args.repeat or (10 if gpu else 2), args.head)}
 
     on_ranks(body, args.json, model=config)
 

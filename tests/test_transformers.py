@@ -207,18 +207,21 @@ def test_a_tensor_parallel_head_is_split_not_gathered():
     mp.spawn(_tensor_parallel_worker, args=(2, port), nprocs=2, join=True)
 
 
-def test_fsdp2_model_benchmark_runs_on_two_gloo_ranks(tmp_path):
+@pytest.mark.parametrize("head", ["fsdp", "tp"])
+def test_fsdp2_model_benchmark_runs_on_two_gloo_ranks(tmp_path, head):
     """`torchrun -m bench.fsdp_model` (the multi-GPU model benchmark's command) on 2 CPU ranks
-    with a tiny Llama: both methods run and give the same loss."""
+    with a tiny Llama, under FSDP2 or with its head split by tensor parallelism: both methods
+    run and give the same loss."""
     import json
 
     out = tmp_path / "fsdp.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "bench.fsdp_model", "--tiny", "--seq", "16", "--repeat", "1", "--json", str(out)],
+                           "-m", "bench.fsdp_model", "--tiny", "--seq", "16", "--repeat", "1", "--head", head,
+                           "--json", str(out)],
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    assert [r["method"] for r in rows] == ["transformers", "ours"]
+    assert [(r["method"], r["head"]) for r in rows] == [("transformers", head), ("ours", head)]
     assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-5 * abs(rows[0]["loss"])
 
 
