@@ -6,10 +6,10 @@ passes num_items_in_batch through to it, and the run is the unpatched run's.
 A tiny Llama built from a config (no download) learns a repeating token pattern on the
 CPU. Any Trainer setting works as usual: the patch changes the model's forward only.
 
-TRL's SFTTrainer computes the loss through the same Trainer path with ``loss_type="nll"``
-(set it: newer TRL defaults to "chunked_nll", which replaces the model's forward itself);
-its token-accuracy and entropy metrics read ``outputs.logits``, which the fused loss does
-not build, so give it a subclass whose ``compute_loss`` is ``transformers.Trainer.compute_loss``.
+TRL's SFTTrainer (1.x) fuses the head itself: it wraps the model's forward with its own
+fused LM head and calls it with ``fused_lm_head=True``. A patched model trains in it exactly
+as an unpatched one (tests/test_transformers.py), the patch stepping aside there; the patch
+serves the Trainer, custom loops and evaluation.
 """
 
 from __future__ import annotations

@@ -492,6 +492,36 @@ def test_trainer_with_gradient_accumulation_matches_the_unpatched_run(tmp_path, 
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_sft_trainer_trains_a_patched_model_as_the_unpatched_one(tmp_path):
+    """TRL's SFTTrainer (1.x) fuses the head itself (its own fused LM head on the model's
+    forward, called with fused_lm_head=True): a patched model trains in it exactly as the
+    unpatched one, the patch stepping aside."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", pad_token="t0",
+                                                     eos_token="t2", bos_token="t1")
+    rows = datasets.Dataset.from_list([{"input_ids": [int(t) for t in torch.arange(i, i + 9) % 7 + 3]} for i in range(16)])
+    runs = []
+    for patch in (False, True):
+        model = make_model()
+        if patch:
+            patch_causal_lm(model)
+        args = trl.SFTConfig(output_dir=str(tmp_path / str(patch)), max_steps=3, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True, seed=0, max_length=9)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+        trainer.train()
+        runs.append(([e["loss"] for e in trainer.state.log_history if "loss" in e], model))
+    (ref_losses, reference), (losses, patched) = runs
+    assert losses == ref_losses
+    for p, q in zip(patched.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_the_finetuning_example_learns():
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
     script = os.path.join(ROOT, "examples", "finetune_torch.py")
