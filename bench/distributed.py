@@ -91,6 +91,7 @@ def run(shapes, methods, dtype, repeat: int, weak: bool) -> list[dict]:
 
 
 def main(argv=None):
+    """One rank's run; it ends the process (`bench.distributed.on_ranks`), never returning."""
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node P -m bench.distributed",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None, help="presets or NxDxV; default L,G on GPUs, 256x64x1000 on CPUs")

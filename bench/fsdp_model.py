@@ -102,6 +102,7 @@ def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int, head: st
 
 
 def main(argv=None):
+    """One rank's run; it ends the process (`bench.distributed.on_ranks`), never returning."""
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node P -m bench.fsdp_model",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=",".join(METHODS))

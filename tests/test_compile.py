@@ -331,6 +331,98 @@ def test_a_head_split_over_ranks_runs_as_an_eager_step_in_compiled_code():
         dist.destroy_process_group()
 
 
+def test_integer_num_items_compile_once_for_every_loss():
+    """num_items_in_batch as a Python int (what the Trainer passes before it makes a tensor)
+    divides outside the ops: a new count is no new graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gen = torch.Generator().manual_seed(12)
+    x, W = _head(gen)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:4] for _ in range(N)])
+    logprobs = torch.log_softmax(torch.randn(N, 4, generator=gen), -1)
+    y = _labels((N,), gen)
+    calls = {
+        "cross-entropy": lambda n: torch_impl.linear_cross_entropy(x, W, y, num_items_in_batch=n),
+        "top-K": lambda n: torch_impl.linear_topk_distillation(x, W, ids, logprobs, num_items_in_batch=n),
+        "dense": lambda n: torch_impl.linear_distillation(x, W, x.detach(), W.detach(), num_items_in_batch=n),
+    }
+    for name, call in calls.items():
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(call, backend=counter, dynamic=True)
+        for n in (20, 21, 22, 23, 24):
+            torch.testing.assert_close(compiled(n), call(n), msg=name)
+        assert counter.frame_count <= 2, (name, counter.frame_count)
+
+
+def test_compiled_options_are_checked_as_eager_ones():
+    """A bool is no number (eager raises; so does a compiled call); a NumPy float, which
+    Dynamo traces as a tensor, is refused by name inside torch.compile."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(13)
+    x, W = _head(gen)
+    y = _labels((N,), gen)
+    f = lambda x, W, **options: torch_impl.linear_cross_entropy(x, W, y, **options)
+    with pytest.raises(ValueError, match="label_smoothing must be a number"):
+        f(x, W, label_smoothing=True)
+    with pytest.raises(Exception, match="label_smoothing must be a number"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(x, W, label_smoothing=True)
+    torch._dynamo.reset()
+    torch.testing.assert_close(f(x, W, softcap=np.float64(5.0)), f(x, W, softcap=5.0))
+    with pytest.raises(Exception, match="softcap must be a Python number inside torch.compile"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(x, W, softcap=np.float64(5.0))
+
+
+def test_gradients_are_formed_early_only_where_eager_forms_them():
+    """The kernels' blocks of whole rows ("speed", "auto" but not in fp16); "chunked" and
+    "memory" leave the gradients to the backward op (formed at scale 1 in a 16-bit
+    accumulator, a loss-scaled fp16 gradient would underflow)."""
+    from torch_impl.custom_ops import formed_now
+
+    x, W = (torch.zeros(4, 3, requires_grad=True) for _ in range(2))
+    half = x.detach().half().requires_grad_()
+    assert formed_now(True, "speed", x, W, None) == [True, True, False]
+    assert formed_now(True, "auto", x, W, None) == [True, True, False]
+    assert not any(formed_now(True, "auto", half, W, None))
+    for strategy in ("chunked", "memory"):
+        assert not any(formed_now(True, strategy, x, W, None))
+    assert not any(formed_now(False, "speed", x, W, None))
+
+
+def test_compiled_unreduced_loss_filters_its_gradient_as_eager():
+    """filter_eps reaches the backward op (reduction "none": the gradients are recomputed
+    there): compiled gradients equal eager's, which differ from unfiltered ones."""
+    gen = torch.Generator().manual_seed(14)
+    x, W = _head(gen)
+    x = (x.detach() * 4).requires_grad_()
+    y = _labels((N,), gen)
+    f = lambda x, W, eps: torch_impl.linear_cross_entropy(x, W, y, reduction="none", filter_eps=eps, strategy="speed",
+                                                         tuning=SMALL_BLOCKS)
+    eager = torch.autograd.grad(f(x, W, 0.5).sum(), (x, W))
+    compiled = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(x, W, 0.5).sum(), (x, W))
+    unfiltered = torch.autograd.grad(f(x, W, None).sum(), (x, W))
+    for c, e, u in zip(compiled, eager, unfiltered):
+        torch.testing.assert_close(c, e)
+        assert not torch.allclose(e, u)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor on a CPU needs a C++ compiler")
+def test_inductor_takes_transposed_inputs():
+    """Sequence-first hidden states [T, B, D] read as [B, T, D] and a head passed as E.T
+    ([D, V], "DV"): the ops' gradients are contiguous whatever the inputs' strides, and the
+    fakes say so (Inductor checks the strides it was told)."""
+    gen = torch.Generator().manual_seed(15)
+    h = torch.randn(7, 2, D, generator=gen, requires_grad=True)
+    E = torch.randn(V, D, generator=gen, requires_grad=True)
+    y = _labels((2, 7), gen)
+    f = lambda h, E: torch_impl.linear_cross_entropy(h.transpose(0, 1), E.T, y, weight_layout="DV", strategy="chunked")
+    eager = torch.autograd.grad(f(h, E), (h, E))
+    compiled = torch.autograd.grad(torch.compile(f, fullgraph=True)(h, E), (h, E))
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor on a CPU needs a C++ compiler")
 def test_inductor_compiles_a_model_with_the_loss():
     gen = torch.Generator().manual_seed(5)

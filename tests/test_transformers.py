@@ -394,6 +394,43 @@ def test_peft_heads():
         lora(**make_batch())
 
 
+def test_models_in_threads_at_once_each_find_their_hidden_states():
+    """Two patched models called at once from two threads (as nn.DataParallel's replicas are):
+    each fused call finds its own head's hidden states; losses as the unpatched models'."""
+    import threading
+
+    names = ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+    references = [make_model(name) for name in names]
+    expected = [float(model(**make_batch()).loss) for model in references]
+    patched = [patch_causal_lm(copy.deepcopy(model)) for model in references]
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            for _ in range(20):
+                results.setdefault(i, []).append(float(patched[i](**make_batch()).loss))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        assert len(results[i]) == 20 and all(abs(v - expected[i]) <= 1e-5 * expected[i] for v in results[i])
+
+
+def test_labels_of_another_shape_are_refused_by_name():
+    patched = patch_causal_lm(make_model())
+    batch = make_batch()
+    with pytest.raises(ValueError, match=r"labels must have the shape of the input's tokens \(2, 9\), got \(2, 5\)"):
+        patched(batch["input_ids"], labels=batch["labels"][:, :5])
+    with pytest.raises(ValueError, match=r"shift_labels must have the shape .* got \(18,\)"):
+        patched(**batch, shift_labels=batch["labels"].reshape(-1))
+
+
 def test_labels_that_are_not_integer_tensors_are_refused_by_name():
     patched = patch_causal_lm(make_model())
     batch = make_batch()
@@ -439,6 +476,7 @@ def test_patch_a_class_then_unpatch_it():
     finally:
         unpatch_causal_lm(cls)
     assert vars(cls)["forward"] is original
+    assert not model.lm_head._forward_pre_hooks and not model.lm_head._forward_hooks  # its instances unhooked
     patch_causal_lm(subclass)
     assert unpatch_causal_lm(subclass) is subclass and "forward" not in vars(subclass)
 

@@ -11,12 +11,13 @@ graph replaying it) must not wait for the GPU:
   instead of a ValueError, as under `jax.jit`;
 - rows whose target is ignore_index are computed and masked, not gathered out first.
 
-A reduced loss (no lse returned) forms its gradients when the op runs, for an upstream
-gradient of 1 (in the forward pass of blocks of whole rows, else by the backward pass right
-after) and its backward pass scales them; otherwise a backward op recomputes them from the
-per-row values the op saved (`fused_autograd`). Gradients are first-order only. An op's
-options travel as numbers, strings and flags (a Tuning as `tuning_values`), which is what
-an op's schema carries.
+Where the eager call forms the gradients in the forward pass (a reduced loss, no lse, the
+kernels' "speed" or "auto": `formed_now`), the op forms them for an upstream gradient of 1
+and the backward pass scales them; otherwise a backward op recomputes them from the per-row
+values the op saved (`fused_autograd`). Gradients are first-order only. An op's options
+travel as numbers, strings and flags (a Tuning as `tuning_values`), which is what an op's
+schema carries; num_items_in_batch divides outside the ops (`divided`), so that a new count
+is no new graph.
 
 This module holds the shared parts and cross-entropy's op; `torch_impl.distill_ops` and
 `torch_impl.log_probs_ops` hold the others.
@@ -81,9 +82,10 @@ def grad_outputs(input, linear_weight, linear_bias, grads, want):
 
 
 def fake_grads(input, linear_weight, linear_bias, need):
-    """What a backward op gives, as fake tensors: `_grad_outputs` of empty gradients."""
-    grads = (torch.empty_like(input), torch.empty_like(linear_weight),
-             None if linear_bias is None else torch.empty_like(linear_bias))
+    """What a backward op gives, as fake tensors: `grad_outputs` of contiguous gradients (the
+    real ones are; a compiler checks the strides against these)."""
+    grads = (input.new_empty(input.shape), linear_weight.new_empty(linear_weight.shape),
+             None if linear_bias is None else linear_bias.new_empty(linear_bias.shape))
     return grad_outputs(input, linear_weight, linear_bias, grads, tuple(need))
 
 
@@ -142,23 +144,54 @@ def block_steps(strategy, x, vocab, dtype, accumulate, tuning, buffers=1):
     return plan_steps(t, choose_strategy(strategy, x, n, d, vocab, t), n, d, vocab, dtype, accumulate, buffers)
 
 
-def num_items_as(num_items, dtype):
-    return None if num_items is None else num_items.to(dtype)
+def formed_now(reduced: bool, strategy: str, input: torch.Tensor, *tensors) -> list[bool]:
+    """Which of input and `tensors` (None allowed) get gradients formed when the op runs, for an
+    upstream gradient of 1: those that need one, when autograd records, the loss is reduced
+    (its upstream gradient is then one number) and the kernels' blocks of whole rows can
+    form them in the forward pass, as the eager call does: "speed", or "auto" (whose plan,
+    made when the op runs, may still be "memory": its backward pass then runs right after).
+    Not for fp16 under "auto": a gradient formed at scale 1 in fp16 would underflow what a
+    loss scale keeps; "chunked" and "memory" leave them to the backward op."""
+    from torch_impl.functional import kernels_can_run
+
+    now = (reduced and torch.is_grad_enabled() and kernels_can_run(input)
+           and (strategy == "speed" or (strategy == "auto" and input.dtype != torch.float16)))
+    return [now and t is not None and t.requires_grad for t in (input, *tensors)]
 
 
-def formed_now(reduced: bool, *tensors) -> list[bool]:
-    """Which of `tensors` (None allowed) get gradients formed when the op runs: those that
-    need one, when the loss is reduced (its upstream gradient is then one number) and
-    autograd records."""
-    now = reduced and torch.is_grad_enabled()
-    return [now and t is not None and t.requires_grad for t in tensors]
+def number(name: str, value, optional: bool = False) -> float | None:
+    """An option that a custom op's schema carries as a float: a Python int or float, else
+    ValueError naming it (a bool is not a number, as for the eager call; Dynamo traces a
+    NumPy number as a tensor, whose value the schema can't take)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a Python number inside torch.compile (not a tensor or a NumPy number)")
+    return float(value)
 
 
-def num_items_tensor(num_items_in_batch, device):
+def compiled_call(input, required: dict, optional: dict, reduction: str, num_items_in_batch, *cast):
+    """The checks a compiled call makes before its op (which checks the rest when traced):
+    tensor arguments by name, reduction with num_items_in_batch; returns `cast` (input
+    first) cast to the autocast dtype where autocast is on."""
+    from interop.options import check_reduction
+    from torch_impl.arguments import autocast_inputs, check_tensors
+
+    check_tensors(input, required, optional)
+    check_reduction(reduction, num_items_in_batch)
+    return autocast_inputs(input, *cast)
+
+
+def divided(loss, num_items_in_batch):
+    """A summed loss divided by num_items_in_batch (None: unchanged), outside the op: a
+    number inside it would be compiled in as a constant."""
     from torch_impl.arguments import denominator
 
-    d = denominator(num_items_in_batch, torch.float64, device)
-    return None if d is None else torch.as_tensor(d, dtype=torch.float64, device=device)
+    if num_items_in_batch is None:
+        return loss
+    return loss / denominator(num_items_in_batch, loss.dtype, loss.device)
 
 
 # ----------------------------------------------------------------------------- cross-entropy
@@ -200,14 +233,14 @@ def _call(input, linear_weight, target, linear_bias, weight, reduction, ignore_i
 
 
 def _plan(c: _Call, strategy: str, accumulate: bool, filter_eps, grads_now):
-    """(strategy resolved, plan, step ops or None for the kernels' loop)."""
+    """(plan, ops): the block steps' where the strategy resolves to "chunked", else the
+    kernels' plan that never waits for the GPU and None."""
     from torch_impl.functional import choose_strategy
 
     n, d = c.x.shape
     strategy = choose_strategy(strategy, c.x, n, d, c.vocab, c.tuning)
     if strategy == "chunked":
-        plan, ops = plan_steps(c.tuning, strategy, n, d, c.vocab, c.x.dtype, accumulate)
-        return plan, ops
+        return plan_steps(c.tuning, strategy, n, d, c.vocab, c.x.dtype, accumulate)
     plan = blocked.plan_blocks(c.tuning, strategy, n, d, c.vocab, c.x.dtype, accumulate, filter_eps,
                                forward_only=not any(grads_now))
     return dataclasses.replace(plan, host_sync=False), None
@@ -275,8 +308,8 @@ def linear_cross_entropy_backward_op(
     """(grad_input, grad_linear_weight, grad_linear_bias) of `linear_cross_entropy_op`'s loss
     and lse (upstream), recomputed from its saved lse; an empty tensor where `need` is not set."""
     c = _call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
-              weight_layout, strategy, None, tuning)
-    plan, ops = _plan(c, strategy, accumulate_in_input_dtype, None, need)
+              weight_layout, strategy, filter_eps, tuning)
+    plan, ops = _plan(c, strategy, accumulate_in_input_dtype, filter_eps, need)
     (grad_loss, grad_lse), (lse,) = upstream, saved
     grads = _backward_grads(c, grad_loss, grad_lse, lse, linear_weight, weight_layout, plan, ops, tuple(need))
     return grad_outputs(input, linear_weight, linear_bias, grads, tuple(need))
@@ -297,7 +330,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias, weight, r
     """The op as `torch_impl.functional.linear_cross_entropy` returns it: loss, or (loss, lse)."""
     loss, lse, *_ = linear_cross_entropy_op(
         input, linear_weight, target, linear_bias, weight, reduction,
-        DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, label_smoothing, z_loss, softcap,
-        weight_layout, strategy, accumulate_in_input_dtype, filter_eps, tuning_values(tuning),
-        formed_now(reduction != "none" and not return_lse, input, linear_weight, linear_bias))
+        DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, number("label_smoothing", label_smoothing),
+        number("z_loss", z_loss), number("softcap", softcap, optional=True), weight_layout, strategy,
+        accumulate_in_input_dtype, number("filter_eps", filter_eps, optional=True), tuning_values(tuning),
+        formed_now(reduction != "none" and not return_lse, strategy, input, linear_weight, linear_bias))
     return (loss, lse) if return_lse else loss

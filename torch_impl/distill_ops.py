@@ -10,8 +10,8 @@ import torch
 from interop.options import DEFAULT_IGNORE_INDEX, check_strategy
 from interop.tuning import Tuning
 from torch_impl.arguments import dense
-from torch_impl.custom_ops import (block_steps, dtype_of, fake_grads, fused_autograd, grad_outputs, formed_now,
-                                   num_items_as, num_items_tensor, optional_shape, tuning_values)
+from torch_impl.custom_ops import (block_steps, divided, dtype_of, fake_grads, formed_now, fused_autograd, grad_outputs,
+                                   number, optional_shape, tuning_values)
 from torch_impl.rows import compute_dtype
 
 
@@ -60,7 +60,7 @@ def _topk_operands(o, shape, input, teacher_ids, teacher_logprobs, target, row_m
 def linear_topk_distillation_op(
     input: torch.Tensor, linear_weight: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
     target: torch.Tensor | None, linear_bias: torch.Tensor | None, row_mask: torch.Tensor | None,
-    num_items: torch.Tensor | None, temperature: float, renormalize_teacher: bool, tail_bucket: bool,
+    temperature: float, renormalize_teacher: bool, tail_bucket: bool,
     temperature_squared: bool, weight_soft: float, weight_hard: float, reduction: str, ignore_index: int,
     softcap: float | None, weight_layout: str, strategy: str, accumulate_in_input_dtype: bool, tuning: list[float],
     grads_now: list[bool],
@@ -76,19 +76,19 @@ def linear_topk_distillation_op(
                              weight_hard, reduction, ignore_index, softcap, weight_layout, strategy)
     x, teacher, y, valid = _topk_operands(o, shape, input, teacher_ids, teacher_logprobs, target, row_mask)
     plan, ops = block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning)
-    want, b, items = tuple(grads_now), dense(linear_bias), num_items_as(num_items, compute_dtype(input.dtype))
+    want, b = tuple(grads_now), dense(linear_bias)
     in_forward = any(want) and plan.block_cols >= shape.vocab
-    loss, saved, grads = topk_forward(x, linear_weight, b, teacher, y, valid, o, weight_layout, plan, ops, items,
+    loss, saved, grads = topk_forward(x, linear_weight, b, teacher, y, valid, o, weight_layout, plan, ops, None,
                                       want if in_forward else (False,) * 3)
     if any(want) and not in_forward:
         one = torch.ones((), dtype=saved[0].dtype, device=x.device)
-        grads = topk_backward(one, x, linear_weight, b, teacher, y, valid, saved, o, weight_layout, plan, ops, items, want)
+        grads = topk_backward(one, x, linear_weight, b, teacher, y, valid, saved, o, weight_layout, plan, ops, None, want)
     loss = loss.reshape(shape.lead_shape) if o.reduction == "none" else loss
     return (loss, *saved, *grad_outputs(input, linear_weight, linear_bias, grads, want))
 
 
 @linear_topk_distillation_op.register_fake
-def _(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, num_items, temperature,
+def _(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
       renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction, ignore_index, softcap,
       weight_layout, strategy, accumulate_in_input_dtype, tuning, grads_now):
     o, shape = topk_checked(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask,
@@ -103,7 +103,7 @@ def _(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, 
 def linear_topk_distillation_backward_op(
     upstream: list[torch.Tensor | None], saved: list[torch.Tensor], input: torch.Tensor, linear_weight: torch.Tensor,
     teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, target: torch.Tensor | None,
-    linear_bias: torch.Tensor | None, row_mask: torch.Tensor | None, num_items: torch.Tensor | None,
+    linear_bias: torch.Tensor | None, row_mask: torch.Tensor | None,
     temperature: float, renormalize_teacher: bool, tail_bucket: bool, temperature_squared: bool, weight_soft: float,
     weight_hard: float, reduction: str, ignore_index: int, softcap: float | None, weight_layout: str, strategy: str,
     accumulate_in_input_dtype: bool, tuning: list[float], need: list[bool],
@@ -119,7 +119,7 @@ def linear_topk_distillation_backward_op(
     (grad_loss,) = upstream
     g = grad_loss.reshape(-1) if o.reduction == "none" else grad_loss.reshape(())
     grads = topk_backward(g.contiguous(), x, linear_weight, dense(linear_bias), teacher, y, valid, saved, o, weight_layout,
-                          plan, ops, num_items_as(num_items, saved[0].dtype), tuple(need))
+                          plan, ops, None, tuple(need))
     return grad_outputs(input, linear_weight, linear_bias, grads, tuple(need))
 
 
@@ -162,7 +162,7 @@ def _dense_operands(o, shape, input, teacher_input, target, row_mask):
 @torch.library.custom_op("logitless::linear_distillation", mutates_args=())
 def linear_distillation_op(
     input: torch.Tensor, linear_weight: torch.Tensor, teacher_input: torch.Tensor, teacher_weight: torch.Tensor,
-    target: torch.Tensor | None, row_mask: torch.Tensor | None, num_items: torch.Tensor | None, divergence: str,
+    target: torch.Tensor | None, row_mask: torch.Tensor | None, divergence: str,
     beta: float, temperature: float, temperature_squared: bool, reduction: str, ignore_index: int, weight_layout: str,
     strategy: str, accumulate_in_input_dtype: bool, tuning: list[float], grads_now: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,20 +174,20 @@ def linear_distillation_op(
                               temperature, temperature_squared, reduction, ignore_index, weight_layout, strategy)
     x, xt, valid, vocab = _dense_operands(o, shape, input, teacher_input, target, row_mask)
     plan, ops = block_steps(strategy, x, vocab, input.dtype, accumulate_in_input_dtype, tuning, buffers=2)
-    want, items = tuple(grads_now), num_items_as(num_items, compute_dtype(input.dtype))
+    want = tuple(grads_now)
     in_forward = any(want) and plan.block_cols >= vocab
     loss, saved, grads = dense_forward(x, linear_weight, xt, teacher_weight, valid, o, weight_layout, vocab, plan, ops,
-                                       items, want if in_forward else (False, False))
+                                       None, want if in_forward else (False, False))
     if any(want) and not in_forward:
         one = torch.ones((), dtype=saved[0].dtype, device=x.device)
         grads = dense_backward(one, x, linear_weight, xt, teacher_weight, valid, saved, o, weight_layout, vocab, plan,
-                               ops, items, want)
+                               ops, None, want)
     loss = loss.reshape(shape.lead_shape) if o.reduction == "none" else loss
     return (loss, *saved, *grad_outputs(input, linear_weight, None, (*grads, None), (*want, False))[:2])
 
 
 @linear_distillation_op.register_fake
-def _(input, linear_weight, teacher_input, teacher_weight, target, row_mask, num_items, divergence, beta, temperature,
+def _(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta, temperature,
       temperature_squared, reduction, ignore_index, weight_layout, strategy, accumulate_in_input_dtype, tuning,
       grads_now):
     o, shape = dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta,
@@ -201,7 +201,7 @@ def _(input, linear_weight, teacher_input, teacher_weight, target, row_mask, num
 def linear_distillation_backward_op(
     upstream: list[torch.Tensor | None], saved: list[torch.Tensor], input: torch.Tensor, linear_weight: torch.Tensor,
     teacher_input: torch.Tensor, teacher_weight: torch.Tensor, target: torch.Tensor | None,
-    row_mask: torch.Tensor | None, num_items: torch.Tensor | None, divergence: str, beta: float, temperature: float,
+    row_mask: torch.Tensor | None, divergence: str, beta: float, temperature: float,
     temperature_squared: bool, reduction: str, ignore_index: int, weight_layout: str, strategy: str,
     accumulate_in_input_dtype: bool, tuning: list[float], need: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +215,7 @@ def linear_distillation_backward_op(
     (grad_loss,) = upstream
     g = grad_loss.reshape(-1).contiguous() if o.reduction == "none" else grad_loss.reshape(())
     grads = dense_backward(g, x, linear_weight, xt, teacher_weight, valid, saved, o, weight_layout, vocab, plan, ops,
-                           num_items_as(num_items, saved[0].dtype), tuple(need))
+                           None, tuple(need))
     return grad_outputs(input, linear_weight, None, (*grads, None), (*need, False))[:2]
 
 
@@ -235,11 +235,13 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
     """The op as `torch_impl.distillation.linear_topk_distillation` returns it: the loss."""
     out = linear_topk_distillation_op(
         input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask,
-        num_items_tensor(num_items_in_batch, input.device), temperature, renormalize_teacher, tail_bucket,
-        temperature_squared, weight_soft, weight_hard, reduction,
-        DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, softcap, weight_layout, strategy,
-        accumulate_in_input_dtype, tuning_values(tuning), formed_now(reduction != "none", input, linear_weight, linear_bias))
-    return out[0]
+        number("temperature", temperature), renormalize_teacher, tail_bucket, temperature_squared,
+        number("weight_soft", weight_soft), number("weight_hard", weight_hard),
+        "sum" if num_items_in_batch is not None else reduction,
+        DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, number("softcap", softcap, optional=True),
+        weight_layout, strategy, accumulate_in_input_dtype, tuning_values(tuning),
+        formed_now(reduction != "none", strategy, input, linear_weight, linear_bias))
+    return divided(out[0], num_items_in_batch)
 
 
 def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, target, row_mask, divergence, beta,
@@ -247,8 +249,9 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
                         strategy, accumulate_in_input_dtype, tuning: Tuning):
     """The op as `torch_impl.distillation.linear_distillation` returns it: the loss."""
     out = linear_distillation_op(
-        input, linear_weight, teacher_input.detach(), teacher_weight.detach(), target, row_mask,
-        num_items_tensor(num_items_in_batch, input.device), divergence, beta, temperature, temperature_squared,
-        reduction, DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, weight_layout, strategy,
-        accumulate_in_input_dtype, tuning_values(tuning), formed_now(reduction != "none", input, linear_weight))
-    return out[0]
+        input, linear_weight, teacher_input.detach(), teacher_weight.detach(), target, row_mask, divergence,
+        number("beta", beta), number("temperature", temperature), temperature_squared,
+        "sum" if num_items_in_batch is not None else reduction,
+        DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, weight_layout, strategy,
+        accumulate_in_input_dtype, tuning_values(tuning), formed_now(reduction != "none", strategy, input, linear_weight))
+    return divided(out[0], num_items_in_batch)

@@ -9,7 +9,7 @@ from interop.blocking import skipping_pays
 from interop.distillation import teacher_id_out_of_range_message
 from interop.options import check_reduction, check_tuning, target_out_of_range_message
 from interop.tuning import Tuning
-from torch_impl import distill_ops
+from torch_impl import custom_ops, distill_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation
 from torch_impl.steps import plan_steps
@@ -96,11 +96,10 @@ def linear_topk_distillation(
                   reduction=reduction, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, softcap=softcap,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype)
     if torch.compiler.is_compiling() and vocab_parallel is None:
-        check_tensors(input, dict(linear_weight=linear_weight, teacher_ids=teacher_ids,
-                                  teacher_logprobs=teacher_logprobs), dict(target=target, linear_bias=linear_bias,
-                                                                           row_mask=row_mask))
-        input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
-        check_reduction(reduction, num_items_in_batch)
+        input, linear_weight, linear_bias = custom_ops.compiled_call(
+            input, dict(linear_weight=linear_weight, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs),
+            dict(target=target, linear_bias=linear_bias, row_mask=row_mask), reduction, num_items_in_batch,
+            linear_weight, linear_bias)
         return distill_ops.linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs,
                                                    **{**kwargs, "linear_bias": linear_bias}, tuning=check_tuning(tuning))
     return _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, **kwargs, tuning=tuning,
@@ -198,11 +197,10 @@ def linear_distillation(
                   ignore_index=ignore_index, weight_layout=weight_layout, strategy=strategy,
                   accumulate_in_input_dtype=accumulate_in_input_dtype)
     if torch.compiler.is_compiling():
-        check_tensors(input, dict(linear_weight=linear_weight, teacher_input=teacher_input,
-                                  teacher_weight=teacher_weight), dict(target=target, row_mask=row_mask))
-        input, linear_weight, teacher_input, teacher_weight = autocast_inputs(input, linear_weight, teacher_input,
-                                                                        teacher_weight)
-        check_reduction(reduction, num_items_in_batch)
+        input, linear_weight, teacher_input, teacher_weight = custom_ops.compiled_call(
+            input, dict(linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight),
+            dict(target=target, row_mask=row_mask), reduction, num_items_in_batch, linear_weight, teacher_input,
+            teacher_weight)
         return distill_ops.linear_distillation(input, linear_weight, teacher_input, teacher_weight, **kwargs,
                                               tuning=check_tuning(tuning))
     return _dense_eager(input, linear_weight, teacher_input, teacher_weight, **kwargs, tuning=tuning)

@@ -204,20 +204,18 @@ def _compiled(input, linear_weight, target, *, linear_bias, weight, reduction, i
               num_items_in_batch):
     """The call inside torch.compile: the custom op (`torch_impl.custom_ops`), which checks
     the rest of the arguments when it is traced."""
-    check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight))
-    input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
-    check_reduction(reduction, num_items_in_batch)
+    input, linear_weight, linear_bias = custom_ops.compiled_call(
+        input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight), reduction,
+        num_items_in_batch, linear_weight, linear_bias)
     out = custom_ops.linear_cross_entropy(
         input, linear_weight, target, linear_bias=linear_bias, weight=weight,
         reduction="sum" if num_items_in_batch is not None else reduction, ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
         weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
         filter_eps=filter_eps, tuning=check_tuning(tuning))
-    if num_items_in_batch is None:
-        return out
-    loss, rest = (out[0], out[1:]) if return_lse else (out, ())
-    loss = loss / denominator(num_items_in_batch, loss.dtype, loss.device)
-    return (loss, *rest) if return_lse else loss
+    if return_lse:
+        return custom_ops.divided(out[0], num_items_in_batch), out[1]
+    return custom_ops.divided(out, num_items_in_batch)
 
 
 @torch.compiler.disable

@@ -20,7 +20,7 @@ import torch
 from interop.log_probs import LogProbsOptions
 from interop.options import check_tuning
 from interop.tuning import Tuning
-from torch_impl import log_probs_ops
+from torch_impl import custom_ops, log_probs_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.autograd import first_order_only
 from torch_impl.blocks import BlockPlan, HeadBlocks, final_grad
@@ -165,8 +165,9 @@ def linear_log_probs(
     kwargs = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype)
     if torch.compiler.is_compiling():
-        check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias))
-        input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
+        input, linear_weight, linear_bias = custom_ops.compiled_call(
+            input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias), "none", None,
+            linear_weight, linear_bias)
         outs = log_probs_ops.linear_log_probs(input, linear_weight, target, **{**kwargs, "linear_bias": linear_bias},
                                            tuning=check_tuning(tuning))
     else:

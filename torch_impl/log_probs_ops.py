@@ -9,7 +9,8 @@ import torch
 from interop.options import DEFAULT_IGNORE_INDEX, check_inputs, check_strategy
 from interop.tuning import Tuning
 from torch_impl.arguments import dense
-from torch_impl.custom_ops import block_steps, dtype_of, fake_grads, fused_autograd, grad_outputs, optional_shape, tuning_values
+from torch_impl.custom_ops import (block_steps, dtype_of, fake_grads, fused_autograd, grad_outputs, number, optional_shape,
+                                   tuning_values)
 from torch_impl.rows import compute_dtype
 
 
@@ -92,7 +93,8 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias, temperature, 
                      strategy, accumulate_in_input_dtype, tuning: Tuning):
     """(log-probabilities, entropy, argmax) of the op."""
     logp, entropy, _, argmax = linear_log_probs_op(
-        input, linear_weight, target, linear_bias, temperature, softcap,
+        input, linear_weight, target, linear_bias, number("temperature", temperature),
+        number("softcap", softcap, optional=True),
         DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, weight_layout, strategy,
         accumulate_in_input_dtype, tuning_values(tuning))
     return logp, entropy, argmax

@@ -60,6 +60,7 @@ import dataclasses
 import functools
 import inspect
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -76,7 +77,7 @@ _SCALES = (("logit_scale", True), ("logits_scaling", False))
 _SOFTCAP = "final_logit_softcapping"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: each call finds and removes its own
 class _Capture:
     """One fused call's view of its head: the head module (whose hook fills `hidden`) and
     whether the logits the original computes at the kept position are checked (`logits`:
@@ -88,15 +89,27 @@ class _Capture:
     logits: torch.Tensor | None = None
 
 
-_CAPTURES: list[_Capture] = []  # the fused calls running, innermost last
+# The fused calls running, innermost last: one list for every thread (a Python global, which
+# torch.compile traces), each hook finding the call of its own head, so that models running
+# in threads at once (nn.DataParallel's replicas) each find theirs.
+_CAPTURES: list[_Capture] = []
+_HOOKED = weakref.WeakKeyDictionary()  # head -> the class of the model whose call hooked it
+
+
+def _capture_of(module) -> _Capture | None:
+    """The innermost running fused call whose head is `module`, or None."""
+    for capture in reversed(_CAPTURES):
+        if capture.head is module:
+            return capture
+    return None
 
 
 def _capture_hook(module, args):
     """Forward pre-hook of a patched model's head: inside a fused call, keep the hidden states
     [..., T, D] and give the head the first position only."""
-    if not _CAPTURES or _CAPTURES[-1].head is not module:
+    capture = _capture_of(module)
+    if capture is None:
         return None
-    capture = _CAPTURES[-1]
     capture.hidden = args[0]
     return (args[0][..., :1, :], *args[1:])
 
@@ -104,22 +117,25 @@ def _capture_hook(module, args):
 def _logits_hook(module, args, output):
     """Forward hook of a patched model's head: the head's own logits at the kept position,
     kept when the call checks the transforms after it."""
-    if _CAPTURES and _CAPTURES[-1].head is module and _CAPTURES[-1].check:
+    capture = _capture_of(module)
+    if capture is not None and capture.check:
         # a head split by tensor parallelism whose hooks run after this one: its shard, gathered
-        _CAPTURES[-1].logits = output.full_tensor() if hasattr(output, "full_tensor") else output
+        capture.logits = output.full_tensor() if hasattr(output, "full_tensor") else output
 
 
-def _install_hooks(head: nn.Module) -> None:
+def _install_hooks(head: nn.Module, model_class: type) -> None:
     """Give ``head`` the capture hooks once (a model's head can be replaced after the patch:
     each fused call installs them on the head it meets)."""
     if _capture_hook not in head._forward_pre_hooks.values():
         head.register_forward_pre_hook(_capture_hook)
         head.register_forward_hook(_logits_hook)
+        _HOOKED[head] = model_class
 
 
 def _remove_hooks(head: nn.Module | None) -> None:
     if head is None:
         return
+    _HOOKED.pop(head, None)
     for hooks, hook in ((head._forward_pre_hooks, _capture_hook), (head._forward_hooks, _logits_hook)):
         for key in [k for k, v in hooks.items() if v is hook]:
             del hooks[key]
@@ -220,8 +236,12 @@ def _causal_lm_loss(
     Returns:
         The fp32 scalar loss.
     """
+    name = "labels" if shift_labels is None else "shift_labels"
     if shift_labels is None:
         shift_labels = _shift_targets(labels, ignore_index)
+    if tuple(shift_labels.shape) != tuple(hidden_states.shape[:-1]):
+        raise ValueError(f"{name} must have the shape of the input's tokens {tuple(hidden_states.shape[:-1])}, got "
+                         f"{tuple(shift_labels.shape)}")
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     bias = lm_head.bias
     if scale != 1.0:
@@ -333,7 +353,7 @@ def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keywo
     _check_labels(labels=labels, shift_labels=named.get("shift_labels"))
     module = _check_model(self)
     head = _linear_head(self, module)
-    _install_hooks(module)
+    _install_hooks(module, type(self))
     return_dict = named.get("return_dict")
     arguments["labels"] = None
     if "return_dict" in bound.signature.parameters:  # the original's output as a ModelOutput, read by name
@@ -345,7 +365,7 @@ def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keywo
     try:
         output = original(*bound.args, **bound.kwargs)
     finally:
-        _CAPTURES.pop()
+        _CAPTURES.remove(capture)
     if capture.hidden is None:
         raise RuntimeError(f"{type(self).__name__}: its forward did not call the module get_output_embeddings() returns, "
                            "so the fused loss has no hidden states")
@@ -411,7 +431,7 @@ def patch_causal_lm(model_or_class, *, skip_logits_in_eval: bool = False):
     cls = model_or_class if is_class else type(model_or_class)
     _check_class(cls)
     if not is_class:
-        _install_hooks(_check_model(model_or_class))
+        _install_hooks(_check_model(model_or_class), cls)
     if hasattr(cls.forward, _ORIGINAL) or hasattr(_own_forward(model_or_class), _ORIGINAL):
         return model_or_class
     if is_class:
@@ -442,6 +462,9 @@ def unpatch_causal_lm(model_or_class):
     if isinstance(model_or_class, type):
         if model_or_class.forward is not getattr(patched, _ORIGINAL):
             model_or_class.forward = getattr(patched, _ORIGINAL)
+        for head, model_class in list(_HOOKED.items()):  # the heads its instances' calls hooked
+            if issubclass(model_class, model_or_class):
+                _remove_hooks(head)
     else:
         _remove_hooks(model_or_class.get_output_embeddings())
         model_or_class.__dict__.pop(_VERIFIED, None)
