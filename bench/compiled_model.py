@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import sys
 from unittest import mock
 
 import torch
@@ -61,7 +62,10 @@ def build(config: dict, method: str, dtype, device, backend: str):
     return model, context
 
 
-def run(config: dict, methods, rows: int, seq: int, dtype, device, repeat: int, backend: str) -> list[dict]:
+def run(config: dict, methods, rows: int, seq: int, dtype, device, repeat: int, backend: str,
+        save=lambda results: None) -> list[dict]:
+    """The rows of `methods`, each passed to `save` with those before it as soon as it is
+    measured (a run cut short keeps what it finished)."""
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, config["vocab_size"], (rows, seq), device=device, generator=gen)
     labels = ids.masked_fill(torch.rand(rows, seq, device=device, generator=gen) < 0.1, -100)
@@ -84,6 +88,7 @@ def run(config: dict, methods, rows: int, seq: int, dtype, device, repeat: int, 
             row["loss"] = float(step())
         row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         results.append(row)
+        save(results)
         print(json.dumps(row), flush=True)
         model = step = None
     return results
@@ -97,20 +102,26 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU runs)")
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick CPU check)")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps (default 10 on GPUs, 2 on CPUs)")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                        help="the model's dtype (default bfloat16 on GPUs, float32 on CPUs)")
+    parser.add_argument("--json", default=None, help="rewritten after every method")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if gpu else torch.float32
     methods = args.methods.split(",") if args.methods else [m for m in METHODS if m != "liger" or _has_liger()]
     config = TINY if args.tiny else MODEL
-    results = run(config, methods, args.rows, args.seq, dtype, device, args.repeat or (10 if gpu else 2), args.backend)
-    if args.json:
-        env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu",
-               "dtype": str(dtype).removeprefix("torch."), "backend": args.backend, "model": config}
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "results": results}, f, indent=1)
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu",
+           "dtype": str(dtype).removeprefix("torch."), "backend": args.backend, "model": config,
+           "command": "python -m bench.compiled_model " + " ".join(argv if argv is not None else sys.argv[1:])}
+
+    def save(results):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": env, "results": results}, f, indent=1)
+
+    run(config, methods, args.rows, args.seq, dtype, device, args.repeat or (10 if gpu else 2), args.backend, save)
 
 
 def _has_liger() -> bool:

@@ -2,10 +2,11 @@
 
 A model that calls the loss compiles whole (fullgraph=True), with a varying number of rows
 compiled once; values and gradients equal the eager call's and the float64 reference's;
-in compiled code a bad target gives a NaN row instead of raising. On the CPU the graphs run
-through AOTAutograd with the eager backend (the kernels in Triton's interpreter), and once
-through Inductor where a C++ compiler is present; on a GPU through Inductor, and a training
-step is captured in a CUDA graph and replayed.
+in compiled code a bad target gives a NaN row instead of raising. The tests run where the
+other suites run: on the CPU (the kernels in Triton's interpreter) without a GPU, else on
+CUDA (the compiled kernels). The graphs run through AOTAutograd with the eager backend, and
+through Inductor (on the CPU where a C++ compiler is present); on a GPU a training step is
+also captured in a CUDA graph and replayed.
 """
 
 import shutil
@@ -16,7 +17,9 @@ import torch
 
 import torch_impl
 from interop.reference import linear_cross_entropy_reference
-from tests.frameworks import SMALL_BLOCKS
+from tests.frameworks import SMALL_BLOCKS, device
+
+DEV = torch.device(device())
 
 STRATEGIES = ["chunked", "speed", "memory"]
 N, D, V = 13, 19, 53
@@ -36,9 +39,9 @@ class TinyLM(torch.nn.Module):
 
     def __init__(self, dtype=torch.float32, bias=False, **loss_options):
         super().__init__()
-        self.embed = torch.nn.Embedding(V, D, dtype=dtype)
-        self.mlp = torch.nn.Linear(D, D, dtype=dtype)
-        self.head = torch.nn.Linear(D, V, bias=bias, dtype=dtype)
+        self.embed = torch.nn.Embedding(V, D, dtype=dtype, device=DEV)
+        self.mlp = torch.nn.Linear(D, D, dtype=dtype, device=DEV)
+        self.head = torch.nn.Linear(D, V, bias=bias, dtype=dtype, device=DEV)
         self.loss_options = loss_options
 
     def forward(self, ids, labels):
@@ -53,7 +56,7 @@ def _labels(shape, generator, ignored=(), bad=()):
         y.view(-1)[i] = -100
     for i in bad:
         y.view(-1)[i] = V + 3
-    return y
+    return y.to(DEV)
 
 
 def _loss_and_grads(model, ids, labels, reduce=lambda out: out.sum()):
@@ -75,7 +78,7 @@ def test_fullgraph_compile_matches_eager(strategy, reduction, return_lse):
     torch.manual_seed(0)
     model = TinyLM(bias=True, strategy=strategy, reduction=reduction, return_lse=return_lse, label_smoothing=0.1,
                    z_loss=1e-3, tuning=SMALL_BLOCKS)
-    ids = torch.randint(0, V, (2, 7), generator=gen)
+    ids = _ids(2, 7, generator=gen)
     labels = _labels((2, 7), gen, ignored=(1, 8))
     reduce = (lambda out: out[0].sum() + 0.5 * out[1].sum()) if return_lse else (lambda out: (out * 1.5).sum())
     eager_out, eager_grads = _loss_and_grads(model, ids, labels, reduce)
@@ -92,10 +95,10 @@ def test_fullgraph_compile_matches_eager(strategy, reduction, return_lse):
 def test_compiled_call_matches_float64_reference(strategy, dtype):
     """The op itself against the spec: strided views, a bias, class weights, softcap."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(N, 2 * D, generator=gen).to(dtype)[:, ::2].requires_grad_()  # strided
-    W = (torch.randn(D, V, generator=gen) * 0.5).to(dtype).T.requires_grad_()  # transposed
-    b = torch.randn(V, generator=gen).to(dtype).requires_grad_()
-    cw = torch.rand(V, generator=gen) + 0.5
+    x = torch.randn(N, 2 * D, generator=gen).to(DEV, dtype)[:, ::2].requires_grad_()  # strided
+    W = (torch.randn(D, V, generator=gen) * 0.5).to(DEV, dtype).T.requires_grad_()  # transposed
+    b = torch.randn(V, generator=gen).to(DEV, dtype).requires_grad_()
+    cw = (torch.rand(V, generator=gen) + 0.5).to(DEV)
     y = _labels((N,), gen, ignored=(4,))
 
     def f(x, W, b, y):
@@ -104,13 +107,13 @@ def test_compiled_call_matches_float64_reference(strategy, dtype):
 
     loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x, W, b, y)
     grads = torch.autograd.grad(loss, (x, W, b))
-    ref = linear_cross_entropy_reference(x.detach().double().numpy(), W.detach().double().numpy(), y.numpy(),
-                                         linear_bias=b.detach().double().numpy(), weight=cw.double().numpy(),
+    host = lambda t: t.detach().cpu().double().numpy()
+    ref = linear_cross_entropy_reference(host(x), host(W), y.cpu().numpy(), linear_bias=host(b), weight=host(cw),
                                          softcap=7.0)
     tol = _tolerance(dtype)
     np.testing.assert_allclose(float(loss), ref.loss, **tol)
     for g, r in zip(grads, (ref.grad_input, ref.grad_weight, ref.grad_bias)):
-        np.testing.assert_allclose(g.double().numpy(), r, **tol)
+        np.testing.assert_allclose(host(g), r, **tol)
 
 
 def test_varying_rows_compile_once():
@@ -123,7 +126,7 @@ def test_varying_rows_compile_once():
     compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=True)
     first = None
     for n in (5, 11, 23):
-        ids, labels = torch.randint(0, V, (n,), generator=gen), _labels((n,), gen)
+        ids, labels = _ids(n, generator=gen), _labels((n,), gen)
         _, grads = _loss_and_grads(compiled, ids, labels)
         _, eager = _loss_and_grads(model, ids, labels)
         for k in eager:
@@ -138,15 +141,15 @@ def test_bad_target_gives_nan_row_in_compiled_code(strategy):
     gradient too), every other row as eager; eager raises."""
     gen = torch.Generator().manual_seed(3)
     model = TinyLM(strategy=strategy, reduction="none", tuning=SMALL_BLOCKS)
-    ids, good = torch.randint(0, V, (N,), generator=gen), _labels((N,), gen, ignored=(2,))
+    ids, good = _ids(N, generator=gen), _labels((N,), gen, ignored=(2,))
     bad = good.clone()
     bad[5] = V + 3
     with pytest.raises(ValueError, match="target"):
         model(ids, bad)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     out = compiled(ids, bad)
-    assert torch.isnan(out[5]) and torch.isfinite(out[torch.arange(N) != 5]).all()
-    torch.testing.assert_close(out[torch.arange(N) != 5], model(ids, good)[torch.arange(N) != 5])
+    assert torch.isnan(out[5]) and torch.isfinite(out[torch.arange(N, device=DEV) != 5]).all()
+    torch.testing.assert_close(out[torch.arange(N, device=DEV) != 5], model(ids, good)[torch.arange(N, device=DEV) != 5])
     mean = torch.compile(TinyLM(strategy=strategy, tuning=SMALL_BLOCKS), fullgraph=True, backend="aot_eager")(ids, bad)
     assert torch.isnan(mean)
 
@@ -155,10 +158,10 @@ def test_compiled_options_match_eager():
     """num_items_in_batch, gradient filtering (compiled: dropped tiles zeroed, not gathered)
     and the DV layout."""
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(N, D, generator=gen, requires_grad=True)
-    W = torch.randn(D, V, generator=gen, requires_grad=True)
+    x = torch.randn(N, D, generator=gen).to(DEV).requires_grad_()
+    W = torch.randn(D, V, generator=gen).to(DEV).requires_grad_()
     y = _labels((N,), gen, ignored=(0, 7))
-    opts = dict(weight_layout="DV", num_items_in_batch=torch.tensor(40), filter_eps=2.0**-6, strategy="speed",
+    opts = dict(weight_layout="DV", num_items_in_batch=torch.tensor(40, device=DEV), filter_eps=2.0**-6, strategy="speed",
                 tuning=SMALL_BLOCKS)
 
     def f(x, W, y):
@@ -173,14 +176,14 @@ def test_compiled_options_match_eager():
 
 
 def test_compiled_call_checks_its_arguments():
-    x, W = torch.randn(N, D), torch.randn(V, D + 1)
+    x, W = torch.randn(N, D, device=DEV), torch.randn(V, D + 1, device=DEV)
     f = torch.compile(lambda x, W, y: torch_impl.linear_cross_entropy(x, W, y), fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="linear_weight"):
-        f(x, W, torch.zeros(N, dtype=torch.int64))
+        f(x, W, torch.zeros(N, dtype=torch.int64, device=DEV))
     g = torch.compile(lambda x, W, y: torch_impl.linear_cross_entropy(x, W, y, reduction="avg"), fullgraph=True,
                       backend="aot_eager")
     with pytest.raises(Exception, match="reduction"):
-        g(x, W[:, :D], torch.zeros(N, dtype=torch.int64))
+        g(x, W[:, :D], torch.zeros(N, dtype=torch.int64, device=DEV))
 
 
 def _compare(f, args, grad_of, reduce=lambda out: out.sum()):
@@ -199,9 +202,13 @@ def _compare(f, args, grad_of, reduce=lambda out: out.sum()):
     return compiled[0]
 
 
+def _ids(*shape, generator):
+    return torch.randint(0, V, shape, generator=generator).to(DEV)
+
+
 def _head(gen, dtype=torch.float32, vocab=V):
-    x = torch.randn(N, D, generator=gen).to(dtype).requires_grad_()
-    W = (torch.randn(vocab, D, generator=gen) * 0.5).to(dtype).requires_grad_()
+    x = torch.randn(N, D, generator=gen).to(DEV, dtype).requires_grad_()
+    W = (torch.randn(vocab, D, generator=gen) * 0.5).to(DEV, dtype).requires_grad_()
     return x, W
 
 
@@ -210,10 +217,10 @@ def _head(gen, dtype=torch.float32, vocab=V):
 def test_compiled_topk_distillation_matches_eager(strategy, reduction):
     gen = torch.Generator().manual_seed(7)
     x, W = _head(gen)
-    b = torch.randn(V, generator=gen, requires_grad=True)
-    ids = torch.stack([torch.randperm(V, generator=gen)[:5] for _ in range(N)])
+    b = torch.randn(V, generator=gen).to(DEV).requires_grad_()
+    ids = torch.stack([torch.randperm(V, generator=gen)[:5] for _ in range(N)]).to(DEV)
     ids[2, 3] = -1  # padding
-    logprobs = torch.log_softmax(torch.randn(N, 5, generator=gen), -1)
+    logprobs = torch.log_softmax(torch.randn(N, 5, generator=gen), -1).to(DEV)
     y = _labels((N,), gen, ignored=(4,))
 
     def f(x, W, b):
@@ -231,7 +238,7 @@ def test_compiled_dense_distillation_matches_eager(strategy, reduction, divergen
     gen = torch.Generator().manual_seed(8)
     x, W = _head(gen)
     xt, Wt = _head(gen, vocab=V + 4)
-    row_mask = torch.rand(N, generator=gen) > 0.2
+    row_mask = (torch.rand(N, generator=gen) > 0.2).to(DEV)
 
     def f(x, W):
         return torch_impl.linear_distillation(x, W, xt, Wt, row_mask=row_mask, divergence=divergence,
@@ -245,9 +252,9 @@ def test_compiled_log_probs_match_eager(strategy):
     """A GRPO-like function of log-probabilities and entropy."""
     gen = torch.Generator().manual_seed(9)
     x, W = _head(gen)
-    b = torch.randn(V, generator=gen, requires_grad=True)
+    b = torch.randn(V, generator=gen).to(DEV).requires_grad_()
     y = _labels((N,), gen, ignored=(1,))
-    advantages = torch.randn(N, generator=gen)
+    advantages = torch.randn(N, generator=gen).to(DEV)
 
     def f(x, W, b):
         return torch_impl.linear_log_probs(x, W, y, linear_bias=b, temperature=0.7, return_entropy=True,
@@ -265,9 +272,9 @@ def test_compiled_distillation_and_log_probs_give_nan_rows_for_bad_ids():
     outside the head; eager raises."""
     gen = torch.Generator().manual_seed(10)
     x, W = _head(gen)
-    ids = torch.stack([torch.randperm(V, generator=gen)[:4] for _ in range(N)])
+    ids = torch.stack([torch.randperm(V, generator=gen)[:4] for _ in range(N)]).to(DEV)
     ids[3, 1] = V + 7
-    logprobs = torch.log_softmax(torch.randn(N, 4, generator=gen), -1)
+    logprobs = torch.log_softmax(torch.randn(N, 4, generator=gen), -1).to(DEV)
     y = _labels((N,), gen, bad=(6,))
     topk = lambda x, W: torch_impl.linear_topk_distillation(x, W, ids, logprobs, target=y, weight_hard=0.5,
                                                             reduction="none", strategy="speed", tuning=SMALL_BLOCKS)
@@ -303,7 +310,8 @@ def test_compiled_model_benchmark_runs(tmp_path):
     from bench import compiled_model
 
     out = tmp_path / "compiled.json"
-    compiled_model.main(["--tiny", "--backend", "aot_eager", "--seq", "16", "--repeat", "1", "--json", str(out),
+    compiled_model.main(["--tiny", "--backend", "aot_eager", "--seq", "16", "--repeat", "1", "--dtype", "float32",
+                         "--json", str(out),
                          "--methods", "eager,compile,ours,ours-compile,ours-graph-break"])
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     for r in rows.values():
@@ -338,8 +346,8 @@ def test_integer_num_items_compile_once_for_every_loss():
 
     gen = torch.Generator().manual_seed(12)
     x, W = _head(gen)
-    ids = torch.stack([torch.randperm(V, generator=gen)[:4] for _ in range(N)])
-    logprobs = torch.log_softmax(torch.randn(N, 4, generator=gen), -1)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:4] for _ in range(N)]).to(DEV)
+    logprobs = torch.log_softmax(torch.randn(N, 4, generator=gen), -1).to(DEV)
     y = _labels((N,), gen)
     calls = {
         "cross-entropy": lambda n: torch_impl.linear_cross_entropy(x, W, y, num_items_in_batch=n),
@@ -413,8 +421,8 @@ def test_inductor_takes_transposed_inputs():
     ([D, V], "DV"): the ops' gradients are contiguous whatever the inputs' strides, and the
     fakes say so (Inductor checks the strides it was told)."""
     gen = torch.Generator().manual_seed(15)
-    h = torch.randn(7, 2, D, generator=gen, requires_grad=True)
-    E = torch.randn(V, D, generator=gen, requires_grad=True)
+    h = torch.randn(7, 2, D, generator=gen).to(DEV).requires_grad_()
+    E = torch.randn(V, D, generator=gen).to(DEV).requires_grad_()
     y = _labels((2, 7), gen)
     f = lambda h, E: torch_impl.linear_cross_entropy(h.transpose(0, 1), E.T, y, weight_layout="DV", strategy="chunked")
     eager = torch.autograd.grad(f(h, E), (h, E))
@@ -427,7 +435,7 @@ def test_inductor_takes_transposed_inputs():
 def test_inductor_compiles_a_model_with_the_loss():
     gen = torch.Generator().manual_seed(5)
     model = TinyLM(strategy="chunked")
-    ids, labels = torch.randint(0, V, (2, 9), generator=gen), _labels((2, 9), gen, ignored=(3,))
+    ids, labels = _ids(2, 9, generator=gen), _labels((2, 9), gen, ignored=(3,))
     _, eager = _loss_and_grads(model, ids, labels)
     _, grads = _loss_and_grads(torch.compile(model, fullgraph=True), ids, labels)
     for k in eager:
