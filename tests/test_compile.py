@@ -388,7 +388,7 @@ def test_gradients_are_formed_early_only_where_eager_forms_them():
     accumulator, a loss-scaled fp16 gradient would underflow)."""
     from torch_impl.custom_ops import formed_now
 
-    x, W = (torch.zeros(4, 3, requires_grad=True) for _ in range(2))
+    x, W = (torch.zeros(4, 3, device=DEV, requires_grad=True) for _ in range(2))
     half = x.detach().half().requires_grad_()
     assert formed_now(True, "speed", x, W, None) == [True, True, False]
     assert formed_now(True, "auto", x, W, None) == [True, True, False]
