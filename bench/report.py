@@ -6,8 +6,10 @@ python -m bench.report --readme README.md --check  # exit 1 where README.md's ta
 python -m bench.report FILE.json                   # every row and column of one JSON
 
 The README holds one section per framework between `<!-- bench.report torch -->` and
-`<!-- /bench.report torch -->` (the same with `jax`); everything between a pair is replaced.
-A check mode lets a test hold the README to the numbers the JSON records.
+`<!-- /bench.report torch -->` (the same with `jax`), and one for `compiled_model.json` (a
+model's step under torch.compile, written by `python -m bench.compiled_model`; left as it is
+when the folder has no such file); everything between a pair is replaced. A check mode lets
+a test hold the README to the numbers the JSON records.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from bench.measure import PRESETS
 
 FRAMEWORKS = {"torch": "PyTorch", "jax": "JAX"}
 VERSIONS = {"torch": ("torch", "triton", "liger-kernel", "cut-cross-entropy"), "jax": ("jax", "jax-cce")}
+COMPILED = "compiled_model"  # the section, and its JSON's name in the results folder
 
 
 def _err(r, key) -> str:
@@ -118,13 +121,46 @@ def section(path: str, data: dict) -> str:
     return caption(data, path) + "\n" + summary_table(data["results"])
 
 
+def compiled_section(path: str, data: dict) -> str:
+    """`bench.compiled_model`'s run: a caption, then one column per method (step time, peak
+    memory beyond the model and the batch, the graphs Dynamo made)."""
+    env, rows = data["environment"], data["results"]
+    m = env["model"]
+    text = (f"A training step of a Llama-like model ({m['num_hidden_layers']} layers, D {m['hidden_size']}, "
+            f"V {m['vocab_size']}, random weights) on {env['device']}, {env['dtype']}, {rows[0]['rows']} x "
+            f"{rows[0]['seq']} tokens, {env['date'][:10]}; torch {env['torch']} (`{path}`). `compile`: "
+            f"`torch.compile(model)`, with compile's own fusion of logits and loss; `-layers`: each decoder layer "
+            f"compiled, as torchtitan does; `ours`: `patch_causal_lm`; `ours-compile`: `fullgraph=True`; "
+            f"`ours-graph-break`: the loss kept out of the graph; `liger`: Liger's patch. Memory: the peak beyond "
+            f"the model and the batch.\n\n")
+    mib = lambda r: "-" if r.get("peak_extra_mib") is None else f"{r['peak_extra_mib'] / 1024:.2f}"
+    lines = ["| | " + " | ".join(r["method"] for r in rows) + " |", "|---|" + "---|" * len(rows),
+             "| step ms | " + " | ".join(f"{r['step_ms']:.1f}" for r in rows) + " |",
+             "| peak GiB | " + " | ".join(mib(r) for r in rows) + " |",
+             "| graphs | " + " | ".join(str(r["graphs"]) for r in rows) + " |"]
+    return text + "\n".join(lines) + "\n"
+
+
+def sections_of(folder: str) -> dict[str, str]:
+    """{section name: its README text} for the JSON present in `folder`."""
+    sections = {fw: section(path, data) for fw, (path, data) in load(folder).items()}
+    path = os.path.join(folder, COMPILED + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            sections[COMPILED] = compiled_section(path, json.load(f))
+    return sections
+
+
 def rewrite(text: str, sections: dict[str, str]) -> str:
-    """`text` with each framework's section between its markers; a framework with a JSON but
-    no markers, or markers but no JSON, is an error (a README that silently keeps old numbers)."""
-    for fw in FRAMEWORKS:
+    """`text` with each section between its markers; a framework with a JSON but no markers,
+    or markers but no JSON, is an error (a README that silently keeps old numbers). The
+    compiled model's markers without its JSON keep their text (another command writes it)."""
+    for fw in (*FRAMEWORKS, COMPILED):
         pattern = re.compile(rf"(<!-- bench\.report {fw} -->\n).*?(<!-- /bench\.report {fw} -->)", re.DOTALL)
         has_markers = pattern.search(text) is not None
         if has_markers and fw not in sections:
+            if fw == COMPILED:
+                continue
             raise ValueError(f"markers for {fw} but no cross_entropy_{fw}.json")
         if fw in sections and not has_markers:
             raise ValueError(f"no <!-- bench.report {fw} --> ... <!-- /bench.report {fw} --> markers")
@@ -150,7 +186,7 @@ def main(argv=None) -> int:
     found = load(args.results)
     if not found:
         parser.error(f"no cross_entropy_*.json in {args.results}")
-    sections = {fw: section(path, data) for fw, (path, data) in found.items()}
+    sections = sections_of(args.results)
     if args.readme is None:
         print("\n".join(sections.values()), end="")
     else:

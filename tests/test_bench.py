@@ -132,5 +132,22 @@ def test_committed_results_render_and_readme_matches(tmp_path, capsys, monkeypat
     for _, data in found.values():
         assert {r["shape"] for r in data["results"]} == {"L", "G", "S"} and data["environment"]["device"] in printed
     sections = re.findall(r"<!-- bench\.report \w+ -->\n(.*?)<!-- /bench\.report", Path("README.md").read_text(), re.DOTALL)
-    assert len(sections) == 2 and all(sections), "README.md lacks its tables: python -m bench.report --readme README.md"
+    assert len(sections) == 3 and all(sections), "README.md lacks its tables: python -m bench.report --readme README.md"
     assert report.main(["--readme", "README.md", "--check"]) == 0, "run python -m bench.report --readme README.md"
+
+
+def test_compiled_model_section_is_generated_and_optional(tmp_path):
+    """The compiled model's table: one column per method; its markers keep their text when the
+    results folder has no compiled_model.json (another command writes it), and a JSON without
+    markers is an error."""
+    data = json.loads((ROOT / "bench/results/compiled_model.json").read_text())
+    section = report.compiled_section("c.json", data)
+    table = section.split("\n\n")[1].splitlines()
+    assert table[0] == "| | " + " | ".join(r["method"] for r in data["results"]) + " |"
+    assert [line.split(" |")[0] for line in table[2:]] == ["| step ms", "| peak GiB", "| graphs"]
+    assert data["environment"]["device"] in section and "c.json" in section
+    text = "a\n<!-- bench.report compiled_model -->\nold\n<!-- /bench.report compiled_model -->\n"
+    assert report.rewrite(text, {}) == text
+    assert report.rewrite(text, {"compiled_model": "new\n"}) == text.replace("old\n", "new\n")
+    with pytest.raises(ValueError, match="markers"):
+        report.rewrite("a\n", {"compiled_model": "new\n"})
