@@ -186,6 +186,55 @@ def test_compiled_call_checks_its_arguments():
         g(x, W[:, :D], torch.zeros(N, dtype=torch.int64, device=DEV))
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compiled_call_takes_expanded_and_offset_views(strategy):
+    """A head expanded from one row (stride 0), an input and a bias sliced at an offset, targets
+    read with a step: values and the gradients of the views' bases as eager and the float64
+    reference (an expanded head's gradient is the sum of its rows')."""
+    gen = torch.Generator().manual_seed(16)
+    xs = torch.randn(N + 3, D, generator=gen).to(DEV).requires_grad_()
+    row = torch.randn(1, D, generator=gen).to(DEV).requires_grad_()
+    bs = torch.randn(V + 2, generator=gen).to(DEV).requires_grad_()
+    ys = _labels((2 * N,), gen, ignored=(2,))
+
+    views = lambda xs, row, bs: (xs[3:], row.expand(V, D), ys[::2], bs[2:])
+    x, W, y, b = views(xs, row, bs)
+    assert x.storage_offset() and not W.stride(0) and y.stride(0) == 2 and b.storage_offset()
+
+    def f(xs, row, bs):
+        x, W, y, b = views(xs, row, bs)
+        return torch_impl.linear_cross_entropy(x, W, y, linear_bias=b, strategy=strategy, tuning=SMALL_BLOCKS)
+
+    eager = f(xs, row, bs)
+    eager_grads = torch.autograd.grad(eager, (xs, row, bs))
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(xs, row, bs)
+    grads = torch.autograd.grad(loss, (xs, row, bs))
+    torch.testing.assert_close(loss, eager)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e)
+    host = lambda t: t.detach().cpu().double().numpy()
+    ref = linear_cross_entropy_reference(host(xs)[3:], np.repeat(host(row), V, 0), ys.cpu().numpy()[::2],
+                                         linear_bias=host(bs)[2:])
+    np.testing.assert_allclose(float(loss), ref.loss, rtol=1e-5)
+    np.testing.assert_allclose(host(grads[0])[3:], ref.grad_input, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host(grads[1])[0], ref.grad_weight.sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host(grads[2])[2:], ref.grad_bias, rtol=1e-5, atol=1e-6)
+    assert not host(grads[0])[:3].any() and not host(grads[2])[:2].any()
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_call_names_a_meta_argument(fullgraph):
+    """A tensor without data (the meta device) is refused by name inside torch.compile too,
+    by the checks eager calls run (a compiled call that breaks its graph raises the eager
+    ValueError; fullgraph=True reports it inside Dynamo's error)."""
+    x, W, y = torch.randn(N, D, device=DEV), torch.randn(V, D, device=DEV), torch.zeros(N, dtype=torch.int64, device=DEV)
+    f = torch.compile(lambda x, W, y: torch_impl.linear_cross_entropy(x, W, y), fullgraph=fullgraph, backend="aot_eager")
+    for args, name in (((x, W.to("meta"), y), "linear_weight"), ((x, W, y.to("meta")), "target")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=f"{name} is on the meta device"):
+            f(*args)
+
+
 def _compare(f, args, grad_of, reduce=lambda out: out.sum()):
     """f compiled (fullgraph) against f eager: outputs and the gradients of reduce(out)
     with respect to args[i] for i in grad_of."""
