@@ -252,6 +252,22 @@ def test_a_transform_of_the_logits_left_out_is_refused(name, monkeypatch):
         patched(**make_batch())
 
 
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Gemma2ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_packed_sequences_train_as_the_original(name):
+    """Padding-free batches (`DataCollatorWithFlattening`: the sequences of a batch
+    concatenated in one row, position_ids restarting at each, the first label of each -100):
+    the same loss and gradients as the unpatched model, and not those of the row unpacked."""
+    sequences = [[5, 9, 17, 3, 44, 8, 21], [7, 30, 12], [4, 11, 60, 2, 9]]
+    batch = transformers.DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": s} for s in sequences])
+    assert batch["input_ids"].shape == (1, 15) and batch["position_ids"][0, 7] == 0
+    reference, model = make_model(name), make_model(name)
+    patch_causal_lm(model)
+    step = train_step(model, **batch)
+    assert_same_step(train_step(reference, **batch), step)
+    unpacked = train_step(reference, input_ids=batch["input_ids"], labels=batch["labels"])
+    assert not torch.allclose(step[0].loss, unpacked[0].loss)
+
+
 def test_head_bias_shift_labels_and_ignore_index():
     reference = make_model()
     reference.lm_head = nn.Linear(32, VOCAB)
