@@ -153,6 +153,50 @@ def _fsdp2_worker(rank: int, world: int, port: int) -> None:
     leave()
 
 
+def _zero3_worker(rank: int, world: int, port: int) -> None:
+    """One gloo rank of `test_deepspeed_zero3_training_matches_the_original`."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    from bench.distributed import leave
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              # every parameter partitioned, however small (the default keeps small ones whole)
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    try:
+        batch = {k: v[rank:rank + 1] for k, v in make_batch().items()}
+        for name in ("LlamaForCausalLM", "Gemma2ForCausalLM"):
+            runs = []
+            for patch in (False, True):
+                model = make_model(name)
+                if patch:
+                    patch_causal_lm(model)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+                engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+                head = model.get_output_embeddings().weight
+                assert head.numel() == 0 and tuple(head.ds_shape) == (VOCAB, model.config.hidden_size)  # partitioned
+                steps = []
+                for _ in range(2):  # the second after an update of the partitioned weights
+                    out = engine(**batch)
+                    engine.backward(out.loss)
+                    grads = {k: safe_get_full_grad(p) for k, p in model.named_parameters()}
+                    steps.append((out, {k: None if g is None else g.clone() for k, g in grads.items()}))
+                    engine.step()
+                runs.append(steps)
+                engine.destroy()
+            for reference, patched in zip(*runs):
+                assert_same_step(reference, patched)
+        model = engine = optimizer = runs = steps = out = grads = None
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    leave()
+
+
 def _tensor_parallel_worker(rank: int, world: int, port: int) -> None:
     """One gloo rank of `test_a_tensor_parallel_head_is_split_not_gathered`."""
     import torch.distributed as dist
@@ -238,6 +282,23 @@ def test_fsdp2_training_step_matches_the_original():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.spawn(_fsdp2_worker, args=(2, port), nprocs=2, join=True)
+
+
+def test_deepspeed_zero3_training_matches_the_original():
+    """Under DeepSpeed ZeRO-3 (every parameter partitioned, 2 gloo ranks with different rows):
+    the fused loss reads the head inside the engine's forward, where DeepSpeed gathers a
+    parameter read outside its module's forward and re-gathers it for the backward pass.
+    Two steps (the second after an SGD update): loss and every gradient as the unpatched
+    model's (untied Llama, tied Gemma 2 with its softcap)."""
+    pytest.importorskip("deepspeed")
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_zero3_worker, args=(2, port), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("name", TRANSFORMED)
