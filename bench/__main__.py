@@ -110,20 +110,16 @@ def run_shape(name, shape, torch_ms, jax_ms, dtype, device, data, repeat, log):
     rows = []
     for framework, methods, run in (("torch", torch_ms, torch_row), ("jax", jax_ms, jax_row)):
         for mname, method in methods.items():
-            row = {"shape": name, "N": n, "D": d, "V": v, "framework": framework, "method": mname,
-                   "dtype": str(dtype).removeprefix("torch.")}
-            try:
+            def fill(row, run=run, mname=mname, method=method):
                 row.update(run(mname, method, x, W, y, ref, device, repeat))
                 peak = row.pop("peak_extra_bytes")
                 row["peak_extra_mib"] = None if peak is None else peak / 2**20
                 row["floor_ratio"] = None if peak is None else peak / floor
                 row["tflops"] = 6 * n * d * v / row["fwd_bwd_ms"] / 1e9
-            except Exception as e:  # e.g. out of memory: recorded, the run goes on
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            rows.append(row)
-            log(format_row(row))
+
+            row = {"shape": name, "N": n, "D": d, "V": v, "framework": framework, "method": mname,
+                   "dtype": str(dtype).removeprefix("torch.")}
+            rows.append(measure.record(row, fill, lambda r: log(format_row(r))))
     return rows, floor
 
 

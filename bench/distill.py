@@ -123,17 +123,14 @@ def run(shapes, ks, dtype, device, repeat, log, only=None, dense=True):
             for name, fn in methods.items():
                 if only is not None and name not in only:
                     continue
-                row = {"shape": shape, "N": n, "D": d, "V": v, "loss": loss_name, "framework": "torch", "method": name,
-                       "dtype": str(dtype).removeprefix("torch.")}
-                try:
+                def fill(row, fn=fn, rest=rest, ref=ref):
                     row.update(measure_method(fn, (x, W), rest, ref, device, repeat))
                     peak = row.pop("peak_extra_bytes")
                     row.update(peak_extra_mib=peak / 2**20, floor_ratio=peak / floor)
-                except Exception as e:  # e.g. out of memory: recorded, the run goes on
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                torch.cuda.empty_cache()
-                rows.append(row)
-                log(row)
+
+                row = {"shape": shape, "N": n, "D": d, "V": v, "loss": loss_name, "framework": "torch", "method": name,
+                       "dtype": str(dtype).removeprefix("torch.")}
+                rows.append(measure.record(row, fill, log))
     return rows
 
 

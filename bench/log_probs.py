@@ -81,9 +81,7 @@ def run_torch(shapes, device, repeat, log, only=None):
         for name, fn in methods.items():
             if only is not None and name not in only:
                 continue
-            row = {"shape": shape, "N": n, "D": d, "V": v, "loss": "log_probs", "framework": "torch", "method": name,
-                   "dtype": "bfloat16"}
-            try:
+            def fill(row, name=name, fn=fn, ref=ref):
                 step = lambda: _torch_step(name, fn, x, W, y, g_lp, g_h)
                 row["fwd_bwd_ms"] = measure.time_ms(step, device, repeat=repeat)
                 peak = measure.peak_extra_bytes(step, device)
@@ -91,11 +89,10 @@ def run_torch(shapes, device, repeat, log, only=None):
                 if name != "liger-grpo":
                     dx, dW = step()
                     row.update(grad_x_err=measure.rel_err(dx, ref[0]), grad_W_err=measure.rel_err(dW, ref[1]))
-            except Exception as e:  # e.g. out of memory: recorded, the run goes on
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            torch.cuda.empty_cache()
-            rows.append(row)
-            log(row)
+
+            row = {"shape": shape, "N": n, "D": d, "V": v, "loss": "log_probs", "framework": "torch", "method": name,
+                   "dtype": "bfloat16"}
+            rows.append(measure.record(row, fill, log))
         del ref
     return rows, methods_skipped
 
@@ -131,15 +128,12 @@ def run_jax(shapes, repeat, log, only=None):
         for name, fn in methods.items():
             if only is not None and name not in only:
                 continue
-            row = {"shape": shape, "N": n, "D": d, "V": v, "loss": "log_probs", "framework": "jax", "method": name,
-                   "dtype": "bfloat16"}
-            try:
-                def loss(x_, W_, fn=fn):
+            def fill(row, fn=fn):
+                def loss(x_, W_):
                     logp, entropy = fn(x_, W_, y)
                     return (logp * gl).sum() + (entropy * gh).sum()
 
-                step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-                compiled = step.lower(x, W).compile()
+                compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, W).compile()
                 row["fwd_bwd_ms"] = measure.time_ms(lambda: jax.block_until_ready(compiled(x, W)), torch.device("cuda"),
                                                     repeat=repeat, events=False)
                 mem = compiled.memory_analysis()
@@ -148,10 +142,10 @@ def run_jax(shapes, repeat, log, only=None):
                 dx, dW = compiled(x, W)
                 row.update(grad_x_err=measure.rel_err(torch.from_numpy(np.asarray(dx.astype(jnp.float32))), torch.from_numpy(ref[0])),
                            grad_W_err=measure.rel_err(torch.from_numpy(np.asarray(dW.astype(jnp.float32))), torch.from_numpy(ref[1])))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(row)
-            log(row)
+
+            row = {"shape": shape, "N": n, "D": d, "V": v, "loss": "log_probs", "framework": "jax", "method": name,
+                   "dtype": "bfloat16"}
+            rows.append(measure.record(row, fill, log))
     return rows
 
 

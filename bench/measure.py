@@ -108,6 +108,20 @@ def peak_extra_bytes(fn, device) -> int | None:
     return peak
 
 
+def record(row: dict, fill, log) -> dict:
+    """`row` as fill(row) completes it, or with an "error" entry where fill raised (out of
+    memory, say: recorded, and the run goes on); the CUDA cache emptied for the next method;
+    then logged."""
+    try:
+        fill(row)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log(row)
+    return row
+
+
 def rel_err(a, ref) -> float:
     return float((a.double() - ref.double()).norm() / ref.double().norm())
 

@@ -151,3 +151,13 @@ def test_compiled_model_section_is_generated_and_optional(tmp_path):
     assert report.rewrite(text, {"compiled_model": "new\n"}) == text.replace("old\n", "new\n")
     with pytest.raises(ValueError, match="markers"):
         report.rewrite("a\n", {"compiled_model": "new\n"})
+
+
+def test_a_method_that_raises_is_recorded_and_the_run_goes_on():
+    from bench import measure
+
+    logged = []
+    ok = measure.record({"method": "a"}, lambda row: row.update(ms=1.0), logged.append)
+    failed = measure.record({"method": "b"}, lambda row: [][0], logged.append)
+    assert ok == {"method": "a", "ms": 1.0} and failed["error"].startswith("IndexError: ")
+    assert logged == [ok, failed]
