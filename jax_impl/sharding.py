@@ -1,8 +1,9 @@
 """The losses on JAX's meshes: one device's computation, whatever the mesh says.
 
-- Explicit axes (`jax.make_mesh`'s default since JAX 0.7, made current by `jax.set_mesh`):
-  an array's sharding is part of its type, and products whose contracted rows are sharded,
-  or the Pallas interpreter's updates of its outputs, have no sharding JAX can infer. The
+- Explicit axes (`jax.make_mesh`'s default since JAX 0.7, made current by `jax.set_mesh`,
+  or only named by the operands' NamedShardings): an array's sharding is part of its type,
+  and products whose contracted rows are sharded, or the Pallas interpreter's updates of
+  its outputs, have no sharding JAX can infer. The
   loss runs with those axes made Auto (`jax.sharding.auto_axes`): XLA's partitioner
   places the work, the kernels (custom calls) on whole operands; its outputs are
   replicated, or sharded as the input's rows for per-row outputs.
@@ -27,10 +28,17 @@ from jax.sharding import PartitionSpec as P
 _STRUCT_PARAMETERS = inspect.signature(jax.ShapeDtypeStruct).parameters
 
 
-def explicit_axes() -> tuple:
-    """The names of the current mesh's Explicit axes (none without a mesh or on older JAX)."""
+def explicit_mesh(*arrays):
+    """The mesh whose Explicit axes shard `arrays` (None entries skipped): the current mesh
+    (`jax.set_mesh`) where it has Explicit axes, else the one in the operands' types (arrays
+    put on a NamedSharding of an Explicit mesh carry it there, with no mesh made current);
+    None without one, or on older JAX."""
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    return tuple(getattr(get_mesh(), "explicit_axes", ())) if get_mesh else ()
+    if get_mesh is None:
+        return None
+    candidates = [get_mesh()] + [getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+                                 for a in arrays if a is not None]
+    return next((m for m in candidates if getattr(m, "explicit_axes", ())), None)
 
 
 def varying_axes(*arrays) -> frozenset:
@@ -89,7 +97,8 @@ def on_mesh(fn, arrays: tuple, out_specs):
     the same Manual axes; with Explicit axes, run with them made Auto, the outputs sharded
     as out_specs() says (a pytree of PartitionSpecs like fn's result, asked for only then)."""
     arrays = vary(arrays, varying_axes(*arrays))
-    axes = explicit_axes()
-    if axes:
-        fn = jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_specs())
-    return fn(*arrays)
+    mesh = explicit_mesh(*arrays)
+    if mesh is None:
+        return fn(*arrays)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_specs())(*arrays)

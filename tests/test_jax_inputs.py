@@ -388,6 +388,8 @@ MESH_SCRIPT = textwrap.dedent('''
             x, W, ids, lp, target=y, weight_hard=0.5, reduction="sum", strategy=s),
         "dense": lambda s: lambda x, W, y, ids, lp, xt, Wt: jax_impl.linear_distillation(
             x, W, xt, Wt, target=y, reduction="sum", strategy=s),
+        "log_probs": lambda s: lambda x, W, y, ids, lp, xt, Wt: sum(
+            out.sum() for out in jax_impl.linear_log_probs(x, W, y, temperature=0.8, return_entropy=True, strategy=s)),
     }
     mesh = jax.make_mesh((4,), ("x",))  # the default axis types: Explicit
     try:
@@ -409,8 +411,9 @@ MESH_SCRIPT = textwrap.dedent('''
             want = f(*args)
             for specs in (batch, (P(),) * 7):
                 name = (loss_name, strategy, "batch" if specs is batch else "replicated")
+                placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+                check(name + ("explicit, no current mesh",), jax.jit(f)(*placed), want)
                 with set_mesh(mesh):
-                    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
                     check(name + ("explicit",), jax.jit(f)(*placed), want)
 
                     def per_device(*a):
@@ -427,10 +430,11 @@ MESH_SCRIPT = textwrap.dedent('''
 
 
 def test_every_strategy_on_explicit_meshes_and_in_shard_map():
-    """On 4 CPU devices: under an Explicit mesh (jax.make_mesh's default, jax.set_mesh) and
-    inside jax.shard_map (check_vma=True), with replicated or batch-sharded inputs, every
-    strategy of every loss gives the single device's loss and gradients ("sum" over the
-    shards' losses; the replicated head's gradient summed over them)."""
+    """On 4 CPU devices: on an Explicit mesh (jax.make_mesh's default; made current by
+    jax.set_mesh, or only named by the operands' shardings) and inside jax.shard_map
+    (check_vma=True), with replicated or batch-sharded inputs, every strategy of every loss
+    gives the single device's loss and gradients ("sum" over the shards' losses; the
+    replicated head's gradient summed over them)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                LOGITLESS_PALLAS_INTERPRET="1", PYTHONPATH=REPO)
     done = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
