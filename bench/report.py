@@ -133,17 +133,18 @@ def compiled_section(path: str, data: dict) -> str:
             f"compiled, as torchtitan does; `ours`: `patch_causal_lm`; `ours-compile`: `fullgraph=True`; "
             f"`ours-graph-break`: the loss kept out of the graph; `liger`: Liger's patch. Memory: the peak beyond "
             f"the model and the batch.\n\n")
-    mib = lambda r: "-" if r.get("peak_extra_mib") is None else f"{r['peak_extra_mib'] / 1024:.2f}"
+    gib = lambda r: "-" if r.get("peak_extra_mib") is None else f"{r['peak_extra_mib'] / 1024:.2f}"
     lines = ["| | " + " | ".join(r["method"] for r in rows) + " |", "|---|" + "---|" * len(rows),
              "| step ms | " + " | ".join(f"{r['step_ms']:.1f}" for r in rows) + " |",
-             "| peak GiB | " + " | ".join(mib(r) for r in rows) + " |",
+             "| peak GiB | " + " | ".join(gib(r) for r in rows) + " |",
              "| graphs | " + " | ".join(str(r["graphs"]) for r in rows) + " |"]
     return text + "\n".join(lines) + "\n"
 
 
-def sections_of(folder: str) -> dict[str, str]:
-    """{section name: its README text} for the JSON present in `folder`."""
-    sections = {fw: section(path, data) for fw, (path, data) in load(folder).items()}
+def sections_of(folder: str, found: dict[str, tuple[str, dict]]) -> dict[str, str]:
+    """{section name: its README text}: the frameworks' `found` (`load(folder)`), and the
+    compiled model's where `folder` holds its JSON."""
+    sections = {fw: section(path, data) for fw, (path, data) in found.items()}
     path = os.path.join(folder, COMPILED + ".json")
     if os.path.exists(path):
         with open(path) as f:
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
     found = load(args.results)
     if not found:
         parser.error(f"no cross_entropy_*.json in {args.results}")
-    sections = sections_of(args.results)
+    sections = sections_of(args.results, found)
     if args.readme is None:
         print("\n".join(sections.values()), end="")
     else:

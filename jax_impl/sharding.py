@@ -100,5 +100,13 @@ def on_mesh(fn, arrays: tuple, out_specs):
     mesh = explicit_mesh(*arrays)
     if mesh is None:
         return fn(*arrays)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_specs())(*arrays)
+    run = lambda: jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_specs())(*arrays)
+    if getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()):
+        return run()
+    # the operands' mesh made current for the call (auto_axes reads the current one); JAX
+    # before 0.7.2 has no way to, and there such operands need `jax.set_mesh`
+    use_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+    if use_mesh is None:
+        return fn(*arrays)
+    with use_mesh(mesh):
+        return run()

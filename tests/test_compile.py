@@ -67,6 +67,11 @@ def _loss_and_grads(model, ids, labels, reduce=lambda out: out.sum()):
     return out, {k.removeprefix("_orig_mod."): p.grad.clone() for k, p in model.named_parameters()}
 
 
+def _host(t):
+    """t as a float64 numpy array (for the float64 reference)."""
+    return t.detach().cpu().double().numpy()
+
+
 def _tolerance(dtype):
     return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
 
@@ -107,13 +112,12 @@ def test_compiled_call_matches_float64_reference(strategy, dtype):
 
     loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x, W, b, y)
     grads = torch.autograd.grad(loss, (x, W, b))
-    host = lambda t: t.detach().cpu().double().numpy()
-    ref = linear_cross_entropy_reference(host(x), host(W), y.cpu().numpy(), linear_bias=host(b), weight=host(cw),
+    ref = linear_cross_entropy_reference(_host(x), _host(W), y.cpu().numpy(), linear_bias=_host(b), weight=_host(cw),
                                          softcap=7.0)
     tol = _tolerance(dtype)
     np.testing.assert_allclose(float(loss), ref.loss, **tol)
     for g, r in zip(grads, (ref.grad_input, ref.grad_weight, ref.grad_bias)):
-        np.testing.assert_allclose(host(g), r, **tol)
+        np.testing.assert_allclose(_host(g), r, **tol)
 
 
 def test_varying_rows_compile_once():
@@ -212,14 +216,13 @@ def test_compiled_call_takes_expanded_and_offset_views(strategy):
     torch.testing.assert_close(loss, eager)
     for g, e in zip(grads, eager_grads):
         torch.testing.assert_close(g, e)
-    host = lambda t: t.detach().cpu().double().numpy()
-    ref = linear_cross_entropy_reference(host(xs)[3:], np.repeat(host(row), V, 0), ys.cpu().numpy()[::2],
-                                         linear_bias=host(bs)[2:])
+    ref = linear_cross_entropy_reference(_host(xs)[3:], np.repeat(_host(row), V, 0), ys.cpu().numpy()[::2],
+                                         linear_bias=_host(bs)[2:])
     np.testing.assert_allclose(float(loss), ref.loss, rtol=1e-5)
-    np.testing.assert_allclose(host(grads[0])[3:], ref.grad_input, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(host(grads[1])[0], ref.grad_weight.sum(0), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(host(grads[2])[2:], ref.grad_bias, rtol=1e-5, atol=1e-6)
-    assert not host(grads[0])[:3].any() and not host(grads[2])[:2].any()
+    np.testing.assert_allclose(_host(grads[0])[3:], ref.grad_input, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_host(grads[1])[0], ref.grad_weight.sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_host(grads[2])[2:], ref.grad_bias, rtol=1e-5, atol=1e-6)
+    assert not _host(grads[0])[:3].any() and not _host(grads[2])[:2].any()
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])
@@ -229,10 +232,12 @@ def test_compiled_call_names_a_meta_argument(fullgraph):
     ValueError; fullgraph=True reports it inside Dynamo's error)."""
     x, W, y = torch.randn(N, D, device=DEV), torch.randn(V, D, device=DEV), torch.zeros(N, dtype=torch.int64, device=DEV)
     f = torch.compile(lambda x, W, y: torch_impl.linear_cross_entropy(x, W, y), fullgraph=fullgraph, backend="aot_eager")
-    for args, name in (((x, W.to("meta"), y), "linear_weight"), ((x, W, y.to("meta")), "target")):
+    for args, name in (((x.to("meta"), W, y), "input"), ((x, W.to("meta"), y), "linear_weight"),
+                       ((x, W, y.to("meta")), "target")):
         torch._dynamo.reset()
-        with pytest.raises(Exception, match=f"{name} is on the meta device"):
+        with pytest.raises(Exception, match=f"{name} is on the meta device") as raised:
             f(*args)
+        assert fullgraph or raised.type is ValueError
 
 
 def _compare(f, args, grad_of, reduce=lambda out: out.sum()):
@@ -362,10 +367,16 @@ def test_compiled_model_benchmark_runs(tmp_path):
     compiled_model.main(["--tiny", "--backend", "aot_eager", "--seq", "16", "--repeat", "1", "--dtype", "float32",
                          "--json", str(out),
                          "--methods", "eager,compile,ours,ours-compile,ours-graph-break"])
-    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    saved = json.loads(out.read_text())
+    assert saved["environment"]["dtype"] == "float32"
+    rows = {r["method"]: r for r in saved["results"]}
     for r in rows.values():
         assert abs(r["loss"] - rows["eager"]["loss"]) <= 1e-5 * abs(rows["eager"]["loss"]), r
     assert rows["ours-compile"]["graphs"] == 1 and rows["ours-graph-break"]["graphs"] > 1
+    compiled_model.main(["--tiny", "--seq", "8", "--repeat", "1", "--dtype", "bfloat16", "--json", str(out),
+                         "--methods", "eager,ours"])
+    saved = json.loads(out.read_text())
+    assert saved["environment"]["dtype"] == "bfloat16" and [r["method"] for r in saved["results"]] == ["eager", "ours"]
 
 
 def test_a_head_split_over_ranks_runs_as_an_eager_step_in_compiled_code():
