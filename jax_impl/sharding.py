@@ -3,10 +3,10 @@
 - Explicit axes (`jax.make_mesh`'s default since JAX 0.7, made current by `jax.set_mesh`,
   or only named by the operands' NamedShardings): an array's sharding is part of its type,
   and products whose contracted rows are sharded, or the Pallas interpreter's updates of
-  its outputs, have no sharding JAX can infer. The
-  loss runs with those axes made Auto (`jax.sharding.auto_axes`): XLA's partitioner
-  places the work, the kernels (custom calls) on whole operands; its outputs are
-  replicated, or sharded as the input's rows for per-row outputs.
+  its outputs, have no sharding JAX can infer. The loss runs with those axes made Auto
+  (`jax.sharding.auto_axes`): XLA's partitioner places the work, the kernels (custom
+  calls) on whole operands; its outputs are replicated, or sharded as the input's rows for
+  per-row outputs.
 - Manual axes (inside `jax.shard_map`, whose default check_vma=True types every value
   with the axes it varies over): the operands are cast to vary over every axis that any of
   them varies over (`vary`), and so are the loops' initial carries, built from constants
@@ -93,9 +93,10 @@ def row_spec(x) -> P:
 
 
 def on_mesh(fn, arrays: tuple, out_specs):
-    """fn(*arrays) (None entries allowed) on the current mesh: the operands cast to vary over
-    the same Manual axes; with Explicit axes, run with them made Auto, the outputs sharded
-    as out_specs() says (a pytree of PartitionSpecs like fn's result, asked for only then)."""
+    """fn(*arrays) (None entries allowed) on their mesh: the operands cast to vary over the
+    same Manual axes; with Explicit axes (`explicit_mesh`), run with them made Auto, the
+    outputs sharded as out_specs() says (a pytree of PartitionSpecs like fn's result, asked
+    for only then)."""
     arrays = vary(arrays, varying_axes(*arrays))
     mesh = explicit_mesh(*arrays)
     if mesh is None:
