@@ -100,6 +100,12 @@ def xla_memory_block_shape(t: Tuning, n_rows: int, hidden: int, vocab: int, item
     return _most_rows(t, n_rows, rows), cols
 
 
+def xla_memory_blocks_fit(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int) -> bool:
+    """Whether at least min(n_rows, t.min_block) rows of `xla_memory_block_shape`'s blocks
+    fit its budget (not at small heads, where XLA's GEMM workspace alone is more)."""
+    return _xla_memory_rows(t, n_rows, hidden, vocab, itemsize)[0] >= min(n_rows, t.min_block)
+
+
 def kernel_memory_block_shape(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int] | None:
     """JAX's (rows, cols) for "memory" in blocks of rows and columns whose three products are
     its own kernels (`jax_impl.row_products`), for a small head, where fewer than
@@ -110,7 +116,7 @@ def kernel_memory_block_shape(t: Tuning, n_rows: int, hidden: int, vocab: int, i
     copy of its x, with XLA's per-row temporaries within t.whole_row_fraction of the
     gradients' bytes, as many rows as fit (`_most_rows`); None too if fewer than
     min(n_rows, t.min_block) rows fit. On larger heads XLA's products stay: they are faster."""
-    if _xla_memory_rows(t, n_rows, hidden, vocab, itemsize)[0] >= min(n_rows, t.min_block):
+    if xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
         return None
     cols = min(vocab, t.xla_memory_cols)
     budget = _xla_block_budget(t, n_rows, hidden, vocab, itemsize, gemm_workspace=False)

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from interop.blocking import xla_memory_block_shape, xla_memory_blocks_fit
 from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
@@ -93,6 +94,21 @@ def _bwd(cfg, with_entropy, res, cotangents):
 log_probs.defvjp(_fwd, _bwd)
 
 
+def plan(t: Tuning, o: LogProbsOptions, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
+         platform) -> DistillConfig:
+    """The distillation losses' blocks (`plan_distillation`), but "memory" in the rows x
+    columns blocks of cross-entropy's (`interop.blocking.xla_memory_block_shape`), sized for
+    what XLA's products hold beyond the gradients (a copy of each block's x and of W's
+    columns, a GEMM workspace), where at least min(N, t.min_block) of their rows fit."""
+    cfg = plan_distillation(t, o, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
+                            platform)
+    itemsize = jnp.dtype(dtype).itemsize
+    if strategy != "memory" or not xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
+        return cfg
+    rows, cols = xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize)
+    return dataclasses.replace(cfg, block_rows=rows, block_cols=cols)
+
+
 def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperature: float = 1.0,
                      softcap: float | None = None, ignore_index: int | None = -100, return_entropy: bool = False,
                      return_argmax: bool = False, weight_layout: str = "VD", strategy: str = "auto",
@@ -125,8 +141,8 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
     y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, o.ignore_index)
     platform = platform_of(input)
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, shape.vocab, platform, tuning)
-    cfg = plan_distillation(tuning, dataclasses.replace(o, ignore_index=ignore32), weight_layout, strategy, n,
-                            shape.hidden, shape.vocab, input.dtype, accumulate_in_input_dtype, platform)
+    cfg = plan(tuning, dataclasses.replace(o, ignore_index=ignore32), weight_layout, strategy, n, shape.hidden,
+               shape.vocab, input.dtype, accumulate_in_input_dtype, platform)
 
     def rows(x, W, b, y):
         outs = log_probs(x.reshape(n, shape.hidden), W, b, y, cfg, return_entropy)

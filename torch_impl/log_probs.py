@@ -188,7 +188,7 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
     y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
     check_target_range(y_N, shape.vocab, o.ignore_index)
     x_ND = input.reshape(shape.n_rows, shape.hidden)
-    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab, tuning)
+    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab, tuning, speed_pays=False)
     plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype,
                            accumulate_in_input_dtype)
     logp, entropy, argmax = LinearLogProbs.apply(x_ND, linear_weight, dense(linear_bias), y_N, o, weight_layout, plan,

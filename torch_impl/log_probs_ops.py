@@ -46,7 +46,7 @@ def linear_log_probs_op(
     o, shape = log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index,
                                   weight_layout, strategy)
     x, y, b = _log_probs_operands(shape, input, target, linear_bias)
-    plan, ops = block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning)
+    plan, ops = block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning, speed_pays=False)
     logp, entropy, argmax, lse = log_probs.forward(x, linear_weight, b, y, o, weight_layout, plan, ops)
     return tuple(t.reshape(shape.lead_shape) for t in (logp, entropy, lse, argmax))
 
@@ -74,7 +74,7 @@ def linear_log_probs_backward_op(
     o, shape = log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index,
                                   weight_layout, strategy)
     x, y, b = _log_probs_operands(shape, input, target, linear_bias)
-    plan, ops = block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning)
+    plan, ops = block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning, speed_pays=False)
     flat = [None if t is None else t.reshape(-1) for t in (*upstream, *saved)]
     grads = log_probs.backward(flat[0], flat[1], x, linear_weight, b, y, flat[3], flat[2], o, weight_layout, plan, ops,
                                tuple(need))
