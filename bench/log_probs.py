@@ -1,16 +1,22 @@
-"""Benchmark of `linear_log_probs` (one GPU): `python -m bench.log_probs`.
+"""Benchmark of the RL outputs (one GPU): `python -m bench.log_probs`.
 
-Per-token log-probabilities and entropy, forward + backward, of a policy head at RL-like
-shapes: `RL` (N 32768 = 8 sequences of 4096, D 4096, V 151936: a Qwen-like head), and L, G.
-The upstream gradients are random per token (what a GRPO/PPO loss sends back). Methods:
-ours ("speed", "memory"; PyTorch and JAX), the naive formula on materialised bf16 logits
-(log_softmax in fp32, gather, entropy) eager, under torch.compile, and under jax.jit, and
-liger-kernel's fused GRPO loss (`LigerFusedLinearGRPOLoss`, token-level loss with a KL to
-given reference log-probabilities: it computes log-probabilities but no entropy). Per
-method: fwd+bwd ms (median), peak memory beyond the inputs as a multiple of the floor (the
-bytes of grad_input + grad_weight), and the errors of grad_input and grad_weight against
-our fp64 path (not for Liger, whose loss differs). With --out DIR writes
-DIR/log_probs_{torch,jax}.json and appends to DIR/history.csv (bench.store).
+Two losses of a policy head, forward + backward, at RL-like shapes: `RL` (N 32768 = 8
+sequences of 4096, D 4096, V 151936: a Qwen-like head), and L, G.
+
+- `log_probs`: `linear_log_probs`' per-token log-probabilities and entropy with random
+  upstream gradients per token (what any loss of them sends back; their backward pass must
+  recompute the logits). Against the naive formula on materialised bf16 logits (log_softmax
+  in fp32, gather, entropy), eager, under torch.compile and under jax.jit.
+- `grpo`: GRPO's loss (clipped ratio to given old log-probabilities, beta 0.04 times the KL
+  to given reference ones, advantages per sequence, a mean over the tokens):
+  `linear_policy_loss` against the same formula on materialised logits (eager,
+  torch.compile, jax.jit) and liger-kernel's fused GRPO loss (`LigerFusedLinearGRPOLoss`,
+  its own per-sequence mean: the same work).
+
+Per method: fwd+bwd ms (median), peak memory beyond the inputs as a multiple of the floor (the
+bytes of grad_input + grad_weight), and the errors of grad_input and grad_weight against our
+fp64 path (not for Liger, whose normalisation differs). With --out DIR writes
+DIR/log_probs_{torch,jax}.json (both losses) and appends to DIR/history.csv (bench.store).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ import torch.nn.functional as F
 
 from bench import measure, store
 from bench.__main__ import environment
-from torch_impl import linear_log_probs
+from interop.policy_loss import PolicyLossOptions, token_terms
+from torch_impl import linear_log_probs, linear_policy_loss
 
 SHAPES = {**measure.PRESETS, "RL": (32768, 4096, 151936)}
 SEQ = 4096  # tokens per sequence (Liger's loss takes [B, T, D])
+GRPO = PolicyLossOptions(beta=0.04)
+LOSSES = ("log_probs", "grpo")
 
 
 def naive(x, W, y):
@@ -36,122 +45,182 @@ def naive(x, W, y):
     return logp_all.gather(-1, y.clamp(min=0)[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1)
 
 
-def torch_methods():
-    ours = lambda s: lambda x, W, y: linear_log_probs(x, W, y, return_entropy=True, strategy=s)
-    methods = {"ours-speed": ours("speed"), "ours-memory": ours("memory"), "torch-eager": naive,
-               "torch-compile": torch.compile(naive)}
+def naive_grpo(x, W, y, advantages, old_log_probs, ref_log_probs):
+    """GRPO's loss from the materialised logits (no entropy term: none is asked for)."""
+    logp = F.log_softmax((x @ W.T).float(), dim=-1).gather(-1, y.clamp(min=0)[:, None])[:, 0]
+    valid = y != -100
+    w = valid.float() / valid.sum().clamp(min=1)
+    return token_terms(torch, GRPO, logp, None, valid, advantages, old_log_probs, ref_log_probs, w)[0].sum()
+
+
+def grpo_inputs(y, device, seed=3):
+    """Per-token advantages (one per sequence of SEQ tokens), old and reference log-probabilities
+    near those of random logits (about -log V)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n = y.shape[0]
+    adv = torch.randn(max(1, n // SEQ), 1, device=device, generator=gen).expand(-1, min(n, SEQ)).reshape(-1)
+    old = -12.0 + 0.1 * torch.randn(n, device=device, generator=gen)
+    return dict(advantages=adv, old_log_probs=old, ref_log_probs=old + 0.05 * torch.randn(n, device=device, generator=gen))
+
+
+def torch_methods(loss):
     skipped = {}
+    if loss == "log_probs":
+        ours = lambda s: lambda x, W, y, _: linear_log_probs(x, W, y, return_entropy=True, strategy=s)
+        naive_lp = lambda x, W, y, _: naive(x, W, y)
+        return {"ours-speed": ours("speed"), "ours-memory": ours("memory"), "torch-eager": naive_lp,
+                "torch-compile": torch.compile(naive_lp)}, skipped
+    ours = lambda s: lambda x, W, y, tok: linear_policy_loss(x, W, y, beta=GRPO.beta, strategy=s, **tok)
+    methods = {"ours-speed": ours("speed"), "ours-memory": ours("memory"),
+               "torch-eager": lambda x, W, y, tok: naive_grpo(x, W, y, **tok),
+               "torch-compile": torch.compile(lambda x, W, y, tok: naive_grpo(x, W, y, **tok))}
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-        methods["liger-grpo"] = LigerFusedLinearGRPOLoss(beta=0.04, loss_type="grpo")
+        methods["liger-grpo"] = LigerFusedLinearGRPOLoss(beta=GRPO.beta, loss_type="grpo")
     except ImportError as e:
         skipped["liger-grpo"] = f"ImportError: {e}"
     return methods, skipped
 
 
-def _torch_step(name, fn, x, W, y, g_lp, g_h):
-    """One fwd+bwd: (grad_x, grad_W)."""
+def _torch_step(name, fn, x, W, y, extra):
+    """One fwd+bwd: (grad_x, grad_W). extra: (g_lp, g_h) for log_probs, the GRPO inputs for grpo."""
     x, W = x.detach().requires_grad_(), W.detach().requires_grad_()
     if name == "liger-grpo":
         B = x.shape[0] // SEQ
         mask = (y != -100).view(B, SEQ).int()
-        ref = g_lp.view(B, SEQ)  # any log-probabilities of the right shape
-        loss = fn(x.view(B, SEQ, -1), W, y.clamp(min=0).view(B, SEQ), mask, g_h[:B], ref_per_token_logps=ref,
-                  old_per_token_logps=ref)[0]
+        loss = fn(x.view(B, SEQ, -1), W, y.clamp(min=0).view(B, SEQ), mask, extra["advantages"].view(B, SEQ)[:, 0],
+                  ref_per_token_logps=extra["ref_log_probs"].view(B, SEQ),
+                  old_per_token_logps=extra["old_log_probs"].view(B, SEQ))[0]
+    elif isinstance(extra, dict):
+        loss = fn(x, W, y, extra)
     else:
-        logp, entropy = fn(x, W, y)
-        loss = (logp * g_lp).sum() + (entropy * g_h).sum()
+        logp, entropy = fn(x, W, y, None)
+        loss = (logp * extra[0]).sum() + (entropy * extra[1]).sum()
     loss.backward()
     return x.grad, W.grad
 
 
-def run_torch(shapes, device, repeat, log, only=None):
+def _extras(loss, y, device):
+    """The upstream gradients (log_probs) or the GRPO inputs (grpo), on `device`."""
+    if loss == "grpo":
+        return grpo_inputs(y, device)
+    gen = torch.Generator(device=device).manual_seed(3)
+    g_lp, g_h = (torch.randn(y.shape[0], device=device, generator=gen) for _ in range(2))
+    return torch.where(y != -100, g_lp, 0.0), g_h
+
+
+def _reference(loss, x, W, y, extra):
+    """(grad_x, grad_W) of our fp64 path ("chunked": fp64 logits)."""
+    if loss == "grpo":
+        wide = {k: v.double() for k, v in extra.items()}
+        ref = lambda a, b, c, tok: linear_policy_loss(a, b, c, beta=GRPO.beta, strategy="chunked", **tok)
+        return _torch_step("ref", ref, x.double(), W.double(), y, wide)
+    ref = lambda a, b, c, _: linear_log_probs(a, b, c, return_entropy=True, strategy="chunked")
+    return _torch_step("ref", ref, x.double(), W.double(), y, tuple(t.double() for t in extra))
+
+
+def run_torch(shapes, device, repeat, log, only=None, losses=LOSSES):
     rows, methods_skipped = [], {}
     for shape in shapes:
         n, d, v = SHAPES[shape]
         x, W, y = measure.make_inputs(n, d, v, torch.bfloat16, device)
-        gen = torch.Generator(device=device).manual_seed(3)
-        g_lp, g_h = (torch.randn(n, device=device, generator=gen) for _ in range(2))
-        g_lp = torch.where(y != -100, g_lp, 0.0)
         floor = x.numel() * x.element_size() + W.numel() * W.element_size()
-        ref = _torch_step("ref", lambda a, b, c: linear_log_probs(a, b, c, return_entropy=True, strategy="chunked"),
-                          x.double(), W.double(), y, g_lp.double(), g_h.double())
-        methods, methods_skipped = torch_methods()
-        for name, fn in methods.items():
-            if only is not None and name not in only:
-                continue
-            def fill(row, name=name, fn=fn, ref=ref):
-                step = lambda: _torch_step(name, fn, x, W, y, g_lp, g_h)
-                row["fwd_bwd_ms"] = measure.time_ms(step, device, repeat=repeat)
-                peak = measure.peak_extra_bytes(step, device)
-                row.update(peak_extra_mib=peak / 2**20, floor_ratio=peak / floor)
-                if name != "liger-grpo":
-                    dx, dW = step()
-                    row.update(grad_x_err=measure.rel_err(dx, ref[0]), grad_W_err=measure.rel_err(dW, ref[1]))
+        for loss in losses:
+            extra = _extras(loss, y, device)
+            ref = _reference(loss, x, W, y, extra)
+            methods, skipped = torch_methods(loss)
+            methods_skipped.update(skipped)
+            for name, fn in methods.items():
+                if only is not None and name not in only:
+                    continue
 
-            row = {"shape": shape, "N": n, "D": d, "V": v, "loss": "log_probs", "framework": "torch", "method": name,
-                   "dtype": "bfloat16"}
-            rows.append(measure.record(row, fill, log))
-        del ref
+                def fill(row, name=name, fn=fn, ref=ref, extra=extra):
+                    step = lambda: _torch_step(name, fn, x, W, y, extra)
+                    row["fwd_bwd_ms"] = measure.time_ms(step, device, repeat=repeat)
+                    peak = measure.peak_extra_bytes(step, device)
+                    row.update(peak_extra_mib=peak / 2**20, floor_ratio=peak / floor)
+                    if name != "liger-grpo":
+                        dx, dW = step()
+                        row.update(grad_x_err=measure.rel_err(dx, ref[0]), grad_W_err=measure.rel_err(dW, ref[1]))
+
+                row = {"shape": shape, "N": n, "D": d, "V": v, "loss": loss, "framework": "torch", "method": name,
+                       "dtype": "bfloat16"}
+                rows.append(measure.record(row, fill, log))
+            del ref
     return rows, methods_skipped
 
 
-def run_jax(shapes, repeat, log, only=None):
+def run_jax(shapes, repeat, log, only=None, losses=LOSSES):
     import jax
     import jax.numpy as jnp
 
     import jax_impl
 
-    def naive_jax(x, W, y):
+    def naive_jax(x, W, y, _):
         logp_all = jax.nn.log_softmax((x @ W.T).astype(jnp.float32), axis=-1)
-        return jnp.take_along_axis(logp_all, jnp.maximum(y, 0)[:, None], -1)[:, 0], -(jnp.exp(logp_all) * logp_all).sum(-1)
+        logp = jnp.take_along_axis(logp_all, jnp.maximum(y, 0)[:, None], -1)[:, 0]
+        return logp, -(jnp.exp(logp_all) * logp_all).sum(-1)
 
-    ours = lambda s: lambda x, W, y: jax_impl.linear_log_probs(x, W, y, return_entropy=True, strategy=s)
-    methods = {"jax-ours-speed": ours("speed"), "jax-ours-memory": ours("memory"), "jax-naive": naive_jax}
+    def naive_grpo_jax(x, W, y, tok):
+        logp = naive_jax(x, W, y, None)[0]
+        valid = y != -100
+        w = valid.astype(jnp.float32) / jnp.maximum(valid.sum(), 1)
+        return token_terms(jnp, GRPO, logp, None, valid, tok["advantages"], tok["old_log_probs"], tok["ref_log_probs"],
+                           w)[0].sum()
+
+    log_probs = lambda s: lambda x, W, y, _: jax_impl.linear_log_probs(x, W, y, return_entropy=True, strategy=s)
+    grpo = lambda s: lambda x, W, y, tok: jax_impl.linear_policy_loss(x, W, y, beta=GRPO.beta, strategy=s, **tok)
+    methods = {"log_probs": {"jax-ours-speed": log_probs("speed"), "jax-ours-memory": log_probs("memory"),
+                             "jax-naive": naive_jax},
+               "grpo": {"jax-ours-speed": grpo("speed"), "jax-ours-memory": grpo("memory"), "jax-naive": naive_grpo_jax}}
     rows = []
     for shape in shapes:
         n, d, v = SHAPES[shape]
         xt, Wt, yt = measure.make_inputs(n, d, v, torch.bfloat16, torch.device("cuda"))
-        gen = torch.Generator(device="cuda").manual_seed(3)
-        g_lp, g_h = (torch.randn(n, device="cuda", generator=gen) for _ in range(2))
-        g_lp = torch.where(yt != -100, g_lp, 0.0)
-        ref = _torch_step("ref", lambda a, b, c: linear_log_probs(a, b, c, return_entropy=True, strategy="chunked"),
-                          xt.double(), Wt.double(), yt, g_lp.double(), g_h.double())
-        ref = [r.float().cpu().numpy() for r in ref]
         floor = xt.numel() * 2 + Wt.numel() * 2
         x, W = (jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16) for t in (xt, Wt))
         y = jnp.asarray(yt.cpu().numpy().astype(np.int32))
-        gl, gh = jnp.asarray(g_lp.cpu().numpy()), jnp.asarray(g_h.cpu().numpy())
+        for loss in losses:
+            extra_t = _extras(loss, yt, torch.device("cuda"))
+            ref = [r.float().cpu().numpy() for r in _reference(loss, xt, Wt, yt, extra_t)]
+            if loss == "grpo":
+                extra = {k: jnp.asarray(t.cpu().numpy()) for k, t in extra_t.items()}
+            else:
+                extra = tuple(jnp.asarray(t.cpu().numpy()) for t in extra_t)
+            torch.cuda.empty_cache()
+            for name, fn in methods[loss].items():
+                if only is not None and name not in only:
+                    continue
+
+                def fill(row, fn=fn, extra=extra, ref=ref, loss=loss):
+                    def objective(x_, W_):
+                        if loss == "grpo":
+                            return fn(x_, W_, y, extra)
+                        logp, entropy = fn(x_, W_, y, None)
+                        return (logp * extra[0]).sum() + (entropy * extra[1]).sum()
+
+                    compiled = jax.jit(jax.grad(objective, argnums=(0, 1))).lower(x, W).compile()
+                    row["fwd_bwd_ms"] = measure.time_ms(lambda: jax.block_until_ready(compiled(x, W)),
+                                                        torch.device("cuda"), repeat=repeat, events=False)
+                    mem = compiled.memory_analysis()
+                    peak = mem.temp_size_in_bytes + mem.output_size_in_bytes
+                    row.update(peak_extra_mib=peak / 2**20, floor_ratio=peak / floor)
+                    dx, dW = (torch.from_numpy(np.asarray(g.astype(jnp.float32))) for g in compiled(x, W))
+                    row.update(grad_x_err=measure.rel_err(dx, torch.from_numpy(ref[0])),
+                               grad_W_err=measure.rel_err(dW, torch.from_numpy(ref[1])))
+
+                row = {"shape": shape, "N": n, "D": d, "V": v, "loss": loss, "framework": "jax", "method": name,
+                       "dtype": "bfloat16"}
+                rows.append(measure.record(row, fill, log))
         del xt, Wt, yt
-        torch.cuda.empty_cache()
-        for name, fn in methods.items():
-            if only is not None and name not in only:
-                continue
-            def fill(row, fn=fn):
-                def loss(x_, W_):
-                    logp, entropy = fn(x_, W_, y)
-                    return (logp * gl).sum() + (entropy * gh).sum()
-
-                compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, W).compile()
-                row["fwd_bwd_ms"] = measure.time_ms(lambda: jax.block_until_ready(compiled(x, W)), torch.device("cuda"),
-                                                    repeat=repeat, events=False)
-                mem = compiled.memory_analysis()
-                peak = mem.temp_size_in_bytes + mem.output_size_in_bytes
-                row.update(peak_extra_mib=peak / 2**20, floor_ratio=peak / floor)
-                dx, dW = compiled(x, W)
-                row.update(grad_x_err=measure.rel_err(torch.from_numpy(np.asarray(dx.astype(jnp.float32))), torch.from_numpy(ref[0])),
-                           grad_W_err=measure.rel_err(torch.from_numpy(np.asarray(dW.astype(jnp.float32))), torch.from_numpy(ref[1])))
-
-            row = {"shape": shape, "N": n, "D": d, "V": v, "loss": "log_probs", "framework": "jax", "method": name,
-                   "dtype": "bfloat16"}
-            rows.append(measure.record(row, fill, log))
     return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.log_probs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="RL,L,G")
+    parser.add_argument("--losses", default=",".join(LOSSES))
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--frameworks", default="torch,jax")
     parser.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
@@ -160,18 +229,18 @@ def main(argv=None):
     device = torch.device("cuda")
 
     def log(r):
+        head = f"{r['shape']} {r['loss']:>9} {r['method']:>16}"
         if "error" in r:
-            print(f"{r['shape']} {r['method']:>16}  {r['error']}", flush=True)
+            print(f"{head}  {r['error']}", flush=True)
             return
         errs = "" if "grad_x_err" not in r else f"  err dx {r['grad_x_err']:.1e} dW {r['grad_W_err']:.1e}"
-        print(f"{r['shape']} {r['method']:>16}  fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  mem {r['floor_ratio']:5.2f}x floor{errs}",
-              flush=True)
+        print(f"{head}  fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  mem {r['floor_ratio']:5.2f}x floor{errs}", flush=True)
 
     only = None if args.methods is None else set(args.methods.split(","))
-    shapes, frameworks = args.shapes.split(","), args.frameworks.split(",")
-    rows, skipped = run_torch(shapes, device, args.repeat, log, only) if "torch" in frameworks else ([], {})
+    shapes, frameworks, losses = args.shapes.split(","), args.frameworks.split(","), args.losses.split(",")
+    rows, skipped = run_torch(shapes, device, args.repeat, log, only, losses) if "torch" in frameworks else ([], {})
     if "jax" in frameworks:
-        rows += run_jax(shapes, args.repeat, log, only)
+        rows += run_jax(shapes, args.repeat, log, only, losses)
     env = environment(device)
     if args.out:
         report = {"environment": env, "command": store.command("python -m bench.log_probs", argv), "skipped": skipped,

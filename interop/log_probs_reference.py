@@ -1,5 +1,6 @@
-"""The float64 reference of `linear_log_probs` (interop/SPEC.md, "Log-probabilities"), in
-numpy: materialises the logits, for small shapes only; tested against float64 autograd."""
+"""The float64 references of `linear_log_probs` and `linear_policy_loss` (interop/SPEC.md,
+"Log-probabilities", "Policy loss"), in numpy: materialise the logits, for small shapes only;
+tested against float64 autograd."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from interop.log_probs import LogProbsOptions
+from interop.policy_loss import PolicyLossOptions, token_terms
 
 
 @dataclasses.dataclass
@@ -63,3 +65,36 @@ def linear_log_probs_reference(input, linear_weight, target, *, linear_bias=None
         log_probs=logp.reshape(lead), entropy=(lse - mean_u).reshape(lead), argmax=u.argmax(axis=1).reshape(lead),
         grad_input=(dz @ W_VD).reshape(x.shape), grad_weight=dz.T @ x_ND if weight_layout == "VD" else x_ND.T @ dz,
         grad_bias=None if b is None else dz.sum(axis=0))
+
+
+@dataclasses.dataclass
+class PolicyLossResult:
+    """float64: the loss (0-d), grad_input [..., D], grad_weight as the given weight, grad_bias [V] or None."""
+
+    loss: np.ndarray
+    grad_input: np.ndarray
+    grad_weight: np.ndarray
+    grad_bias: np.ndarray | None
+
+
+def linear_policy_loss_reference(input, linear_weight, target, advantages, *, old_log_probs=None, ref_log_probs=None,
+                                 token_weight=None, epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0,
+                                 linear_bias=None, temperature=1.0, softcap=None, ignore_index=-100,
+                                 weight_layout="VD") -> PolicyLossResult:
+    """The loss of `linear_policy_loss` and its gradients: the per-token terms
+    (`interop.policy_loss.token_terms`) of this reference's log-probabilities and entropy,
+    their gradients through `linear_log_probs_reference`. Per-token arrays broadcast to the
+    target's shape; token_weight None is 1 / (the valid tokens, at least 1)."""
+    head = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+                weight_layout=weight_layout)
+    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
+    shape = np.shape(target)
+    per_token = lambda a: None if a is None else np.broadcast_to(np.asarray(a, np.float64), shape).reshape(-1)
+    out = linear_log_probs_reference(input, linear_weight, target, **head)
+    valid = np.asarray(target).reshape(-1) != LogProbsOptions(ignore_index=ignore_index).ignore_index
+    w = per_token(token_weight) if token_weight is not None else np.full(valid.shape, 1.0 / max(valid.sum(), 1))
+    loss, g, g_h = token_terms(np, o, out.log_probs.reshape(-1), out.entropy.reshape(-1), valid, per_token(advantages),
+                               per_token(old_log_probs), per_token(ref_log_probs), w)
+    grads = linear_log_probs_reference(input, linear_weight, target, grad_log_probs=g.reshape(shape),
+                                       grad_entropy=None if g_h is None else g_h.reshape(shape), **head)
+    return PolicyLossResult(loss.sum(), grads.grad_input, grads.grad_weight, grads.grad_bias)

@@ -31,26 +31,66 @@ from jax_impl.rows import compute_dtype, narrow_targets, row_loop
 from jax_impl.sharding import on_mesh, row_spec
 
 
+def _running(R: int, wide):
+    """Per-row statistics before any column: (m, l, a, largest u, its column, u at the target)."""
+    ninf, zeros = jnp.full((R,), -jnp.inf, wide), jnp.zeros((R,), wide)
+    return ninf, zeros, zeros, ninf, jnp.full((R,), NO_COLUMN, jnp.int32), zeros
+
+
+def _outputs(running, y_R, cfg: DistillConfig):
+    """(log_probs, entropy, argmax, lse) of rows' merged statistics."""
+    m, l, a, _, argmax, u_y = running
+    o = cfg.options
+    # lse = m + log l; H = lse - E[u] = log l - a / l: two small terms, where lse and
+    # E[u] of a peaked row are large and nearly equal
+    lse, entropy = m + jnp.log(l), jnp.log(l) - a / l
+    valid, in_range = y_R != o.ignore_index, (y_R >= 0) & (y_R < cfg.vocab)
+    return jnp.where(valid, jnp.where(in_range, u_y - lse, jnp.nan), 0), entropy, argmax, lse
+
+
+def _upstream(g, y_N, cfg: DistillConfig, wide):
+    """The log-probabilities' upstream gradient as the steps take it: 0 where ignored, NaN
+    where the target is out of range."""
+    valid, in_range = y_N != cfg.options.ignore_index, (y_N >= 0) & (y_N < cfg.vocab)
+    return jnp.where(valid, jnp.where(in_range, g.astype(wide), jnp.nan), 0)
+
+
 def _forward(x_ND, W, b_V, y_N, cfg: DistillConfig):
     """(log_probs, entropy, argmax, lse), per row."""
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
 
     def row_step(carry, xs):
         x_R, y_R = xs
-        R = x_R.shape[0]
-        ninf, zeros = jnp.full((R,), -jnp.inf, wide), jnp.zeros((R,), wide)
-        running = (ninf, zeros, zeros, ninf, jnp.full((R,), NO_COLUMN, jnp.int32), zeros)
-        m, l, a, _, argmax, u_y = head.col_loop(
+        running = head.col_loop(
             lambda v0, cols, run: ops.log_prob_stats(head.logits(x_R, head.head_cols(v0, cols)), v0, b_V, y_R, run,
-                                                     o.softcap, 1.0 / o.temperature), running)
-        # lse = m + log l; H = lse - E[u] = log l - a / l: two small terms, where lse and
-        # E[u] of a peaked row are large and nearly equal
-        lse, entropy = m + jnp.log(l), jnp.log(l) - a / l
-        valid, in_range = y_R != o.ignore_index, (y_R >= 0) & (y_R < cfg.vocab)
-        logp = jnp.where(valid, jnp.where(in_range, u_y - lse, jnp.nan), 0)
-        return carry, (logp, entropy, argmax, lse)
+                                                     o.softcap, 1.0 / o.temperature), _running(x_R.shape[0], wide))
+        return carry, _outputs(running, y_R, cfg)
 
     return row_loop(row_step, (), (x_ND, y_N), x_ND.shape[0], cfg.block_rows)[1]
+
+
+def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream):
+    """(log_probs [N], entropy [N], dx, dW, db) with the gradients formed in the forward pass,
+    in blocks of whole rows (cfg.block_cols == V: one product per block, 6 N D V flops in
+    all), for upstream gradients that each row's values decide: upstream(logp_R, entropy_R,
+    per_row_R) -> (g_R, g_h_R or None), per_row a tuple of [N] arrays given by rows."""
+    o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
+
+    def row_step(carry, xs):
+        x_R, y_R, *rest = xs
+        z = head.logits(x_R, head.head_cols(0, cfg.vocab))
+        running = ops.log_prob_stats(z, 0, b_V, y_R, _running(x_R.shape[0], wide), o.softcap, 1.0 / o.temperature)
+        logp, entropy, _, lse = _outputs(running, y_R, cfg)
+        g, g_h = upstream(logp, entropy, tuple(rest))
+        dz = ops.log_prob_grad(z, 0, b_V, y_R, lse, entropy, _upstream(g, y_R, cfg, wide), g_h, o.softcap,
+                               1.0 / o.temperature)
+        dW, db, dx_R = head.add_shares(dz, x_R, 0, cfg.vocab, *carry, jnp.zeros(x_R.shape, wide))
+        return (dW, db), (logp, entropy, dx_R.astype(x_R.dtype))
+
+    init = (jnp.zeros(W.shape, cfg.accumulate_dtype(W.dtype)), None if b_V is None else jnp.zeros(b_V.shape, wide))
+    (dW, db), (logp, entropy, dx) = row_loop(row_step, init, (x_ND, y_N) + tuple(per_row), x_ND.shape[0],
+                                             cfg.block_rows)
+    return logp, entropy, dx, dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -67,28 +107,33 @@ def _fwd(x_ND, W, b_V, y_N, cfg, with_entropy):
 
 
 def _bwd(cfg, with_entropy, res, cotangents):
-    x_ND, W, b_V, y_N, lse, entropy = res
     g_lp, g_H, _ = cotangents
+    return grads(*res, g_lp, g_H if with_entropy else None, cfg) + (None,)
+
+
+def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig):
+    """(dx, dW, db) for the upstream gradients of the log-probabilities and entropy ([N];
+    g_H None when the entropy has none), recomputing the logits block by block."""
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), lse.dtype
-    valid, in_range = y_N != o.ignore_index, (y_N >= 0) & (y_N < cfg.vocab)
-    g_lp = jnp.where(valid, jnp.where(in_range, g_lp.astype(wide), jnp.nan), 0)
+    g_lp = _upstream(g_lp, y_N, cfg, wide)
 
     def row_step(carry, xs):
-        x_R, y_R, lse_R, entropy_R, g_R, g_h_R = xs
+        x_R, y_R, lse_R, entropy_R, g_R, *g_h = xs
+        g_h_R = g_h[0] if g_h else None
 
         def body(v0, cols, c):
             dz = ops.log_prob_grad(head.logits(x_R, head.head_cols(v0, cols)), v0, b_V, y_R, lse_R, entropy_R, g_R,
-                                   g_h_R if with_entropy else None, o.softcap, 1.0 / o.temperature)
+                                   g_h_R, o.softcap, 1.0 / o.temperature)
             return head.add_shares(dz, x_R, v0, cols, *c)
 
         dW, db, dx_R = head.col_loop(body, carry + (jnp.zeros(x_R.shape, wide),))
         return (dW, db), (dx_R.astype(x_R.dtype),)
 
     db = None if b_V is None else jnp.zeros(b_V.shape, wide)
-    per_row = (x_ND, y_N, lse, entropy, g_lp, g_H.astype(wide))
+    per_row = (x_ND, y_N, lse, entropy, g_lp) + (() if g_H is None else (g_H.astype(wide),))
     (dW, db), (dx,) = row_loop(row_step, (jnp.zeros(W.shape, cfg.accumulate_dtype(W.dtype)), db), per_row,
                                x_ND.shape[0], cfg.block_rows)
-    return dx, dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype), None
+    return dx, dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype)
 
 
 log_probs.defvjp(_fwd, _bwd)

@@ -3,7 +3,9 @@
 from torch_impl.distillation import linear_distillation, linear_topk_distillation
 from torch_impl.functional import linear_cross_entropy
 from torch_impl.log_probs import linear_log_probs
+from torch_impl.policy_loss import linear_policy_loss
 from torch_impl.module import LinearCrossEntropyLoss
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "linear_topk_distillation", "linear_distillation",
-           "linear_log_probs"]
+           "linear_log_probs",
+           "linear_policy_loss"]

@@ -9,8 +9,10 @@ block of logits into per-row running statistics (max, sum of exponentials, their
 sum, the largest logit and its column, the target's logit) and keeps lse and the entropy; the
 backward pass recomputes each block and turns the upstream gradients of the log-probabilities
 and of the entropy into dz, whose products give grad_input and grad_weight (accumulated as
-cross-entropy's strategies accumulate it). Nothing
-is computed in the forward pass for the backward: the upstream gradients are not known then.
+cross-entropy's strategies accumulate it). Nothing is computed in the forward pass for the
+backward: the upstream gradients are not known then. `forward_with_grads` serves a loss whose
+upstream gradients each row's own values decide (`torch_impl.policy_loss`): it forms them in
+the forward pass.
 """
 
 from __future__ import annotations
@@ -41,28 +43,72 @@ def _target_rows(y_N, o: LogProbsOptions, vocab: int):
     return y_N != o.ignore_index, (y_N >= 0) & (y_N < vocab)
 
 
+def _running(n: int, wide, dev):
+    """Per-row statistics before any column: (m, l, a, largest u, its column, u at the target)."""
+    m, best = (torch.full((n,), -torch.inf, dtype=wide, device=dev) for _ in range(2))
+    l, a, u_y = (torch.zeros(n, dtype=wide, device=dev) for _ in range(3))
+    return m, l, a, best, torch.zeros(n, dtype=torch.int64, device=dev), u_y
+
+
+def _outputs(running, valid, in_range):
+    """(log-probabilities, entropy, lse) of rows' merged statistics."""
+    m, l, a, _, _, u_y = running
+    # lse = m + log l; with E[u] = m + a / l, H = lse - E[u] = log l - a / l: two small
+    # terms, where lse and E[u] of a peaked row are large and nearly equal.
+    lse, entropy = m + torch.log(l), torch.log(l) - a / l
+    logp = torch.where(valid, torch.where(in_range, u_y - lse, torch.full_like(lse, torch.nan)), torch.zeros_like(lse))
+    return logp, entropy, lse
+
+
+def _upstream(g, valid, in_range):
+    """The log-probabilities' upstream gradient as the steps take it: 0 where ignored, NaN
+    where the target is out of range."""
+    return torch.where(valid, torch.where(in_range, g, torch.full_like(g, torch.nan)), torch.zeros_like(g)).contiguous()
+
+
 def forward(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan, ops):
     """(log-probabilities [N], entropy [N], argmax [N] int64, lse [N]) over flattened rows x
     [N, D], the head W, its bias and targets y [N] (int64); log-probabilities, entropy and
     lse in the compute dtype (fp32, fp64 for fp64). A target outside [0, V) that is not
     ignore_index gives NaN."""
-    wide, n, dev = compute_dtype(x_ND.dtype), x_ND.shape[0], x_ND.device
     blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
-    m, best = (torch.full((n,), -torch.inf, dtype=wide, device=dev) for _ in range(2))
-    l, a, u_y = (torch.zeros(n, dtype=wide, device=dev) for _ in range(3))
-    argmax = torch.zeros(n, dtype=torch.int64, device=dev)
+    running = _running(x_ND.shape[0], compute_dtype(x_ND.dtype), x_ND.device)
     for rs in blocks.row_blocks():
         for v0, cols in blocks.col_blocks():
-            ops.log_prob_stats_(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs],
-                                (m[rs], l[rs], a[rs], best[rs], argmax[rs], u_y[rs]), o.softcap, 1.0 / o.temperature)
-    vocab = blocks.vocab
-    blocks = None
-    # lse = m + log l; with E[u] = m + a / l, H = lse - E[u] = log l - a / l: two small
-    # terms, where lse and E[u] of a peaked row are large and nearly equal.
-    lse, entropy = m + torch.log(l), torch.log(l) - a / l
-    valid, in_range = _target_rows(y_N, o, vocab)
-    logp = torch.where(valid, torch.where(in_range, u_y - lse, torch.full_like(lse, torch.nan)), torch.zeros_like(lse))
-    return logp, entropy, argmax, lse
+            ops.log_prob_stats_(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], tuple(r[rs] for r in running), o.softcap,
+                                1.0 / o.temperature)
+    logp, entropy, lse = _outputs(running, *_target_rows(y_N, o, blocks.vocab))
+    return logp, entropy, running[4], lse
+
+
+def forward_with_grads(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan, ops, upstream,
+                       need=(True, True, True)):
+    """(log-probabilities [N], entropy [N], dx, dW, db) with the gradients formed in the
+    forward pass, for upstream gradients that each row's log-probability and entropy decide:
+    upstream(rs, logp_R, entropy_R) -> (g_R, g_h_R or None) for the rows rs. Each row block's
+    statistics come first, then its dz: blocks of whole rows ("speed", "chunked") compute
+    their logits once (6 N D V flops in all), rows x columns blocks twice."""
+    wide = compute_dtype(x_ND.dtype)
+    blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
+    valid, in_range = _target_rows(y_N, o, blocks.vocab)
+    logp, entropy = (torch.empty(x_ND.shape[0], dtype=wide, device=x_ND.device) for _ in range(2))
+    dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
+    for rs in blocks.row_blocks():
+        running = _running(rs.stop - rs.start, wide, x_ND.device)
+        for v0, cols in blocks.col_blocks():
+            z = blocks.logits(rs, v0, cols)
+            ops.log_prob_stats_(z, v0, b_V, y_N[rs], running, o.softcap, 1.0 / o.temperature)
+        logp[rs], entropy[rs], lse = _outputs(running, valid[rs], in_range[rs])
+        g, g_h = upstream(rs, logp[rs], entropy[rs])
+        g, g_h = _upstream(g.to(wide), valid[rs], in_range[rs]), None if g_h is None else g_h.to(wide).contiguous()
+        dx_out = dx_rows(blocks, dx, dx_acc, rs)
+        for v0, cols in blocks.col_blocks():
+            z = z if blocks.whole_rows else blocks.logits(rs, v0, cols)
+            dz = ops.log_prob_grad(z, v0, b_V, y_N[rs], lse, entropy[rs], g, g_h, o.softcap, 1.0 / o.temperature)
+            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+        store_dx_rows(blocks, dx, dx_acc, dx_out, rs)
+    z = dz = blocks = dx_acc = None
+    return logp, entropy, dx, final_grad(dW, W), final_grad(db, b_V)
 
 
 def backward(grad_logp, grad_entropy, x_ND, W, b_V, y_N, lse, entropy, o: LogProbsOptions, layout: str, plan: BlockPlan,
@@ -73,8 +119,7 @@ def backward(grad_logp, grad_entropy, x_ND, W, b_V, y_N, lse, entropy, o: LogPro
     wide = lse.dtype
     blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
     valid, in_range = _target_rows(y_N, o, blocks.vocab)
-    g = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(wide)
-    g = torch.where(valid, torch.where(in_range, g, torch.full_like(g, torch.nan)), torch.zeros_like(g)).contiguous()
+    g = _upstream(torch.zeros_like(lse) if grad_logp is None else grad_logp.to(wide), valid, in_range)
     g_h = None if grad_entropy is None else grad_entropy.to(wide).contiguous()
     # grad_input as the distillation losses form it: a row block's rows written once, or
     # with partial rows summed over the column blocks in an fp32 accumulator of one row block

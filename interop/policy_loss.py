@@ -1,0 +1,70 @@
+"""The clipped policy-gradient loss of `linear_policy_loss` (PPO, GRPO and their variants),
+shared by both frameworks and the float64 reference (interop/SPEC.md, "Policy loss"): its
+options, and the per-token terms written once over an array namespace (numpy, torch or
+jax.numpy), from the policy's log-probabilities and entropy to the loss of each token and
+its gradients with respect to both.
+
+Because each token's loss and gradients depend only on that token's log-probability and
+entropy (and on per-token data known before the call), the kernel paths evaluate them block
+by block and form dz in the forward pass, where `linear_log_probs` cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from interop.options import nonnegative
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossOptions:
+    """Options of the per-token loss, validated on construction (the head's options are
+    `interop.log_probs.LogProbsOptions`).
+
+    epsilon_low, epsilon_high: the importance ratio is clipped to [1 - epsilon_low,
+        1 + epsilon_high] (PPO's epsilon both; DAPO's "clip higher" raises epsilon_high).
+    beta: weight of the k3 estimate of the KL divergence to a reference policy (GRPO); 0: none.
+    entropy_coef: weight of the entropy bonus (subtracted from the loss); 0: none.
+    """
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        for name in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
+            object.__setattr__(self, name, nonnegative(name, getattr(self, name)))
+        if self.epsilon_low >= 1.0:
+            raise ValueError(f"epsilon_low must be < 1 (the ratio's lower clip 1 - epsilon_low > 0), got {self.epsilon_low}")
+
+
+def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages, old_log_probs, ref_log_probs,
+                token_weight):
+    """(loss, d loss / d log_probs, d loss / d entropy) per token, [N] each, in xp's arrays.
+
+    With r = exp(logp - old) (1 where old_log_probs is None: on-policy) and A the advantage:
+
+        loss = w (-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+                  + beta (exp(ref - logp) - (ref - logp) - 1) - entropy_coef H)
+
+    and 0 where `valid` is False (ignored tokens). The clipped branch has no gradient; where
+    the two branches are equal (r inside the clip range) the gradient is the unclipped one's.
+    The entropy's gradient is None when entropy_coef is 0."""
+    zero = 0.0 * log_probs
+    r = zero + 1.0 if old_log_probs is None else xp.exp(log_probs - old_log_probs)
+    clipped = xp.clip(r, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high)
+    unclipped_obj, clipped_obj = r * advantages, clipped * advantages
+    loss = -xp.minimum(unclipped_obj, clipped_obj)
+    g = xp.where(unclipped_obj <= clipped_obj, -unclipped_obj, zero)
+    if o.beta:
+        d = ref_log_probs - log_probs
+        loss = loss + o.beta * (xp.exp(d) - d - 1.0)
+        g = g + o.beta * (1.0 - xp.exp(d))
+    if o.entropy_coef:
+        loss = loss - o.entropy_coef * entropy
+    w = xp.where(valid, token_weight, zero)
+    # where(valid, ...): an ignored token's terms may be inf or NaN (its old log-probability
+    # is anything), and 0 * NaN is NaN
+    g_h = None if not o.entropy_coef else -o.entropy_coef * w
+    return xp.where(valid, w * loss, zero), xp.where(valid, w * g, zero), g_h

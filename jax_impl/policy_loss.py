@@ -1,0 +1,138 @@
+"""`linear_policy_loss` for JAX, with the arguments, defaults and semantics of
+`torch_impl.linear_policy_loss` (interop/SPEC.md, "Policy loss"): the clipped policy-gradient
+loss of PPO and GRPO on a linear head, without the N x V logits.
+
+One `jax.custom_vjp`: "speed" forms the gradients in the forward rule from one product per
+block of whole rows (`log_probs.forward_with_grads`, 6 N D V flops) and the backward rule
+scales them; "memory" and "chunked" keep the log-probabilities and entropy and recompute the
+logits in the backward rule (`log_probs.grads`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from interop.log_probs import LogProbsOptions
+from interop.options import check_inputs, check_strategy, check_tuning
+from interop.policy_loss import PolicyLossOptions, token_terms
+from interop.tuning import Tuning
+from jax_impl.distill_blocked import DistillConfig
+from jax_impl.functional import (as_array, check_target_range, choose_strategy, dtype_name, maybe_array, platform_of,
+                                 shape_of)
+from jax_impl.log_probs import _forward, forward_with_grads, grads, plan
+from jax_impl.rows import compute_dtype, narrow_targets
+from jax_impl.sharding import on_mesh
+
+TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight")
+
+
+def _terms(o: PolicyLossOptions, cfg: DistillConfig, y, logp, entropy, tokens: dict):
+    valid = y != cfg.options.ignore_index
+    return token_terms(jnp, o, logp, entropy, valid, *(tokens.get(k) for k in TOKEN_ARGUMENTS))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLossOptions):
+    """The loss (0-d, fp32; fp64 for fp64 inputs) over flattened rows x [N, D], int32 targets
+    y [N] and the per-token arrays (a dict of [N] in the compute dtype; absent keys are None)."""
+    logp, entropy, _, _ = _forward(x_ND, W, b_V, y_N, cfg)
+    return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum()
+
+
+def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o):
+    if cfg.strategy == "speed":
+        keys = tuple(tokens)
+
+        def upstream(logp_R, entropy_R, rows):
+            y_R, *values = rows
+            return _terms(o, cfg, y_R, logp_R, entropy_R, dict(zip(keys, values)))[1:]
+
+        logp, entropy, dx, dW, db = forward_with_grads(x_ND, W, b_V, y_N, (y_N,) + tuple(tokens.values()), cfg,
+                                                       upstream)
+        return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((dx, dW, db), tokens)
+    logp, entropy, _, lse = _forward(x_ND, W, b_V, y_N, cfg)
+    return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((x_ND, W, b_V, y_N, logp, entropy, lse), tokens)
+
+
+def _bwd(cfg, o, res, g_loss):
+    saved, tokens = res
+    no_tokens = jax.tree.map(jnp.zeros_like, tokens)
+    if cfg.strategy == "speed":
+        return tuple(None if g is None else (g * g_loss).astype(g.dtype) for g in saved) + (None, no_tokens)
+    x_ND, W, b_V, y_N, logp, entropy, lse = saved
+    _, g, g_h = _terms(o, cfg, y_N, logp, entropy, tokens)
+    return grads(x_ND, W, b_V, y_N, lse, entropy, g * g_loss, None if g_h is None else g_h * g_loss, cfg) + (
+        None, no_tokens)
+
+
+policy_loss.defvjp(_fwd, _bwd)
+
+
+def _per_token(name: str, value, shape, wide):
+    """A per-token argument as [N] in the compute dtype: an array (or a number, for
+    advantages) that broadcasts to the target's shape, else ValueError naming it."""
+    if value is None:
+        return None
+    a = jnp.asarray(value, wide) if isinstance(value, (int, float)) else as_array(name, value)
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating array, got {a.dtype}")
+    try:
+        return jnp.broadcast_to(a.astype(wide), shape).reshape(-1)
+    except ValueError:
+        raise ValueError(f"{name} of shape {a.shape} does not broadcast to the target's shape {tuple(shape)} "
+                         "(a per-sequence advantage [B] of targets [B, T] is advantages[:, None])") from None
+
+
+def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_probs=None, ref_log_probs=None,
+                       token_weight=None, epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
+                       entropy_coef: float = 0.0, linear_bias=None, temperature: float = 1.0,
+                       softcap: float | None = None, ignore_index: int | None = -100, weight_layout: str = "VD",
+                       strategy: str = "auto", accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None):
+    """The clipped policy-gradient loss (PPO, GRPO): the arguments and formula of
+    `torch_impl.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
+    "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs and token_weight
+    broadcast to the target's shape). Differentiable in input, linear_weight and linear_bias
+    (`jax.custom_vjp`; the per-token arrays get zero cotangents); usable under `jax.jit`,
+    where a target out of [0, V) that is not ignore_index gives a NaN loss instead of the
+    eager call's ValueError.
+
+    Returns:
+        the loss, 0-d, fp32 (fp64 for fp64 input).
+    """
+    head = LogProbsOptions(temperature, softcap, ignore_index)
+    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
+    if o.beta and ref_log_probs is None:
+        raise ValueError(f"beta={o.beta} needs ref_log_probs (the reference policy's log-probabilities)")
+    check_strategy(strategy)
+    tuning = check_tuning(tuning)
+    input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
+    target, linear_bias = as_array("target", target), maybe_array("linear_bias", linear_bias)
+    shape = check_inputs(
+        input_shape=input.shape, input_dtype=dtype_name(input), weight_shape=linear_weight.shape,
+        weight_dtype=dtype_name(linear_weight), target_shape=target.shape, target_dtype=dtype_name(target),
+        bias_shape=shape_of(linear_bias), bias_dtype=dtype_name(linear_bias), weight_layout=weight_layout)
+    check_target_range(target, shape.vocab, head.ignore_index)
+    n, wide = shape.n_rows, compute_dtype(input.dtype)
+    given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                 token_weight=token_weight)
+    tokens = {k: _per_token(k, given[k], target.shape, wide) for k in TOKEN_ARGUMENTS if given[k] is not None}
+    y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, head.ignore_index)
+    if "token_weight" not in tokens:
+        valid = y != ignore32
+        tokens["token_weight"] = valid.astype(wide) / jnp.maximum(valid.sum(), 1)
+    platform = platform_of(input)
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, shape.vocab, platform, tuning)
+    cfg = plan(tuning, dataclasses.replace(head, ignore_index=ignore32), weight_layout, strategy, n, shape.hidden,
+               shape.vocab, input.dtype, accumulate_in_input_dtype, platform)
+
+    keys = tuple(tokens)
+
+    def loss(x, W, b, y, *values):
+        return policy_loss(x.reshape(n, shape.hidden), W, b, y, dict(zip(keys, values)), cfg, o)
+
+    return on_mesh(loss, (input, linear_weight, linear_bias, y, *tokens.values()), lambda: P())

@@ -1,0 +1,304 @@
+"""`linear_policy_loss` (PPO/GRPO's clipped policy-gradient loss) in both frameworks against its
+float64 reference, itself checked against float64 autograd of the formula on materialised
+logits: every strategy (several row and column blocks), bf16/fp32/fp64, layouts, ignored
+tokens, both clips, the KL and entropy terms, errors named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from interop.log_probs_reference import linear_log_probs_reference, linear_policy_loss_reference
+from tests.frameworks import SMALL, laid_out, make_problem, rel_err, seed_of, tolerance
+from tests.frameworks import device as default_device
+
+# name -> (loss options, make_problem arguments, per-token inputs: which of "old", "ref", "weight")
+CASES = {
+    "on-policy": (dict(), dict(), ()),
+    "clipped-kl": (dict(beta=0.04, epsilon_high=0.28), dict(), ("old", "ref")),
+    "entropy-T-bias-softcap": (dict(entropy_coef=0.01, temperature=0.7, softcap=4.0, epsilon_low=0.1),
+                               dict(bias=True, logit_scale=3.0, lead=(2, 7)), ("old",)),
+    "weights-ignore": (dict(beta=0.1, ignore_index=3), dict(ignore_index=3), ("old", "ref", "weight")),
+}
+STRATEGIES = ["speed", "memory", "chunked"]
+RUNS = [(f, s) for f in ("torch", "jax") for s in STRATEGIES]
+
+
+def _problem(case: str, dtype: str, layout: str = "VD"):
+    """(problem, options, per-token inputs as float64 numpy of the target's shape)."""
+    options, kwargs, which = CASES[case]
+    seed = seed_of("policy", case, dtype, layout)
+    p = make_problem(seed, dtype=dtype, weight_layout=layout, **kwargs)
+    rng = np.random.default_rng(seed + 1)
+    shape = p.y.shape
+    tokens = {"advantages": rng.standard_normal(shape[:-1] + (1,))}  # one per sequence, broadcast
+    # old log-probabilities within a ratio of 0.5 to 2 of the policy's: both clips are hit
+    logp = ref_logp(p, options)
+    if "old" in which:
+        tokens["old_log_probs"] = logp + rng.uniform(-0.7, 0.7, shape)
+    if "ref" in which:
+        tokens["ref_log_probs"] = logp + rng.uniform(-0.5, 0.5, shape)
+    if "weight" in which:
+        tokens["token_weight"] = rng.uniform(0.0, 1.0, shape) / shape[-1]
+    return p, options, tokens
+
+
+def ref_logp(p, options):
+    """The policy's float64 log-probabilities of the targets (0 where ignored)."""
+    head = {k: v for k, v in options.items() if k in ("temperature", "softcap", "ignore_index")}
+    return linear_log_probs_reference(p.x, p.W, p.y, linear_bias=p.b, weight_layout=p.weight_layout, **head).log_probs
+
+
+def _reference(p, options, tokens):
+    return linear_policy_loss_reference(p.x, p.W, p.y, linear_bias=p.b, weight_layout=p.weight_layout, **options,
+                                        **tokens)
+
+
+def run_torch(p, options, tokens, strategy, device=None, layouts=None, tuning=SMALL):
+    """{"loss", "grad_x", "grad_W", "grad_b"} as float64 numpy."""
+    import torch_impl
+
+    device = device or default_device()
+    dtype = getattr(torch, p.dtype)
+    lay = lambda k, t: t if not layouts or k not in layouts else laid_out(t, layouts[k])
+    x = lay("x", torch.tensor(p.x, device=device).to(dtype)).requires_grad_()
+    W = lay("W", torch.tensor(p.W, device=device).to(dtype)).requires_grad_()
+    b = None if p.b is None else torch.tensor(p.b, device=device).to(dtype).requires_grad_()
+    y = lay("y", torch.tensor(p.y, device=device))
+    tok = {k: lay(k, torch.tensor(v, device=device).to(dtype if dtype == torch.float64 else torch.float32))
+           for k, v in tokens.items()}
+    loss = torch_impl.linear_policy_loss(x, W, y, linear_bias=b, weight_layout=p.weight_layout, strategy=strategy,
+                                         tuning=tuning, **options, **tok)
+    assert loss.dtype == (torch.float64 if p.dtype == "float64" else torch.float32) and loss.shape == ()
+    grads = torch.autograd.grad(loss, [t for t in (x, W, b) if t is not None])
+    out = dict(zip(("grad_x", "grad_W", "grad_b"), grads), loss=loss)
+    return {k: v.detach().double().cpu().numpy() for k, v in out.items()}
+
+
+def run_jax(p, options, tokens, strategy, jit=False):
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    dtype = getattr(jnp, p.dtype)
+    args = [jnp.asarray(p.x, dtype), jnp.asarray(p.W, dtype)] + ([] if p.b is None else [jnp.asarray(p.b, dtype)])
+    tok = {k: jnp.asarray(v, jnp.float64 if p.dtype == "float64" else jnp.float32) for k, v in tokens.items()}
+
+    def f(x, W, b=None):
+        return jax_impl.linear_policy_loss(x, W, jnp.asarray(p.y.astype(np.int32)), linear_bias=b,
+                                           weight_layout=p.weight_layout, strategy=strategy, tuning=SMALL, **options,
+                                           **tok)
+
+    grad = jax.value_and_grad(f, argnums=tuple(range(len(args))))
+    loss, grads = (jax.jit(grad) if jit else grad)(*args)
+    assert loss.dtype == (jnp.float64 if p.dtype == "float64" else jnp.float32) and loss.shape == ()
+    out = dict(zip(("grad_x", "grad_W", "grad_b"), grads), loss=loss)
+    return {k: np.asarray(v.astype(jnp.float32 if p.dtype != "float64" else jnp.float64), np.float64)
+            for k, v in out.items()}
+
+
+def run(framework, strategy, p, options, tokens, device=None):
+    if framework == "torch":
+        return run_torch(p, options, tokens, strategy, device)
+    if p.dtype != "float64":
+        return run_jax(p, options, tokens, strategy)
+    import jax
+
+    with jax.enable_x64(True):  # JAX computes fp64 only in its 64-bit mode
+        return run_jax(p, options, tokens, strategy)
+
+
+def check(got: dict, ref, dtype: str, logit_scale: float, where: str) -> None:
+    tol = tolerance(dtype, logit_scale)
+    for key, want in (("loss", ref.loss), ("grad_x", ref.grad_input), ("grad_W", ref.grad_weight),
+                      ("grad_b", ref.grad_bias)):
+        if want is not None:
+            err = rel_err(got[key], want)
+            assert err <= tol, f"{where}, {key}: relative error {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reference_matches_float64_autograd(case):
+    """The reference's loss and gradients equal float64 autograd of the formula on
+    materialised logits (TRL's GRPO terms), and its tokens hit both clips."""
+    p, options, tokens = _problem(case, "float64")
+    ref = _reference(p, options, tokens)
+    x, W = torch.tensor(p.x, requires_grad=True), torch.tensor(p.W, requires_grad=True)
+    b = None if p.b is None else torch.tensor(p.b, requires_grad=True)
+    z = x @ W.T + (0 if b is None else b)
+    cap, T = options.get("softcap"), options.get("temperature", 1.0)
+    u = (z if cap is None else cap * torch.tanh(z / cap)) / T
+    logp_all = torch.log_softmax(u, -1)
+    y = torch.tensor(p.y)
+    valid = y != options.get("ignore_index", -100)
+    logp = logp_all.gather(-1, torch.where(valid, y, 0)[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    tok = {k: torch.tensor(v) for k, v in tokens.items()}
+    old = tok.get("old_log_probs", logp.detach())
+    ratio = torch.exp(logp - old)
+    adv = tok["advantages"].expand(ratio.shape)
+    eps_low, eps_high = options.get("epsilon_low", 0.2), options.get("epsilon_high", 0.2)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    if options.get("beta"):
+        d = tok["ref_log_probs"] - logp
+        per_token = per_token + options["beta"] * (torch.exp(d) - d - 1)
+    per_token = per_token - options.get("entropy_coef", 0.0) * entropy
+    w = tok.get("token_weight", torch.full(ratio.shape, 1.0 / max(int(valid.sum()), 1), dtype=torch.float64))
+    loss = torch.where(valid, w * per_token, 0.0).sum()
+    grads = torch.autograd.grad(loss, [t for t in (x, W, b) if t is not None])
+    np.testing.assert_allclose(ref.loss, loss.detach().numpy(), rtol=1e-12)
+    for got, want in zip((ref.grad_input, ref.grad_weight, ref.grad_bias), grads):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-13)
+    if "old_log_probs" in tokens:
+        r = np.exp(ref_logp(p, options) - tokens["old_log_probs"])[p.y != options.get("ignore_index", -100)]
+        assert (r < 1 - eps_low).any() and (r > 1 + eps_high).any()
+
+
+@pytest.mark.parametrize("framework, strategy", RUNS)
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_matches_reference(framework, strategy, case, dtype):
+    """Loss and gradients within the dtype's tolerance of the float64 reference, in SMALL
+    blocks (several row and column blocks, the last ones partial). fp64 runs as "chunked"."""
+    if dtype == "float64" and strategy != "chunked":
+        pytest.skip("fp64 runs as chunked")
+    p, options, tokens = _problem(case, dtype)
+    got = run(framework, strategy, p, options, tokens)
+    check(got, _reference(p, options, tokens), dtype, p.logit_scale, f"{framework}, {strategy}, {case}")
+
+
+@pytest.mark.parametrize("layout", ["strided", "transposed", "expanded", "offset"])
+def test_torch_layouts(layout):
+    """Views of every argument that takes one (the hidden states, the head, the targets, the
+    per-token tensors) give the dense call's result; DV weights too."""
+    p, options, tokens = _problem("weights-ignore", "float32", "DV")
+    ref = _reference(p, options, tokens)
+    layouts = {k: layout for k in ("x", "W", "y", "old_log_probs", "ref_log_probs", "token_weight")}
+    if layout == "expanded":  # an expanded x, W or y is a different problem; the per-token tensors may be
+        layouts = {k: layout for k in ("old_log_probs", "ref_log_probs", "token_weight")}
+        tokens = {k: laid_out(torch.tensor(v), "expanded").numpy() if k in layouts else v for k, v in tokens.items()}
+        ref = _reference(p, options, tokens)
+    for strategy in ("speed", "memory"):
+        check(run_torch(p, options, tokens, strategy, layouts=layouts), ref, "float32", 1.0, f"{layout}, {strategy}")
+
+
+def test_torch_speed_forms_gradients_in_the_forward_pass_and_recomputes_after(monkeypatch):
+    """"speed" forms the gradients in the forward pass (no second pass over the logits in the
+    backward), and a second backward through the same graph (retain_graph) recomputes them:
+    the same gradients twice."""
+    import torch_impl
+    from torch_impl import log_probs
+
+    p, options, tokens = _problem("clipped-kl", "float32")
+    x = torch.tensor(p.x, device=default_device(), requires_grad=True)
+    W = torch.tensor(p.W, device=default_device(), requires_grad=True)
+    tok = {k: torch.tensor(v, dtype=torch.float32, device=x.device) for k, v in tokens.items()}
+    calls = []
+    for name in ("forward_with_grads", "backward"):
+        original = getattr(log_probs, name)
+        monkeypatch.setattr(log_probs, name, lambda *a, original=original, name=name, **k: calls.append(name) or
+                            original(*a, **k))
+    loss = torch_impl.linear_policy_loss(x, W, torch.tensor(p.y, device=x.device), strategy="speed", tuning=SMALL,
+                                         **options, **tok)
+    first = torch.autograd.grad(loss, (x, W), retain_graph=True)
+    assert calls == ["forward_with_grads"]
+    second = torch.autograd.grad(loss, (x, W))
+    assert calls == ["forward_with_grads", "backward"]
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_jax_under_jit_and_nan_for_a_bad_target():
+    """jax.jit gives the eager call's loss and gradients; a target out of [0, V) that is not
+    ignore_index raises ValueError eagerly and gives a NaN loss under jit."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    p, options, tokens = _problem("clipped-kl", "float32")
+    for strategy in STRATEGIES:
+        eager, jitted = run_jax(p, options, tokens, strategy), run_jax(p, options, tokens, strategy, jit=True)
+        for k in eager:
+            np.testing.assert_allclose(jitted[k], eager[k], rtol=1e-5, atol=1e-7)
+    y = p.y.astype(np.int32)
+    y.flat[2] = p.vocab
+    args = (jnp.asarray(p.x), jnp.asarray(p.W), jnp.asarray(y), jnp.asarray(tokens["advantages"]))
+    with pytest.raises(ValueError, match="target"):
+        jax_impl.linear_policy_loss(*args)
+    assert np.isnan(float(jax.jit(jax_impl.linear_policy_loss)(*args)))
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_nan_in_the_head_is_a_nan_loss(framework):
+    """A NaN in one class of the head makes every row's softmax NaN: the loss and the
+    gradients are NaN, never a finite number."""
+    p, options, tokens = _problem("on-policy", "float32")
+    p.W[5, 3] = np.nan
+    for strategy in STRATEGIES:
+        got = run(framework, strategy, p, options, tokens)
+        assert np.isnan(got["loss"]) and np.isnan(got["grad_x"]).any(), strategy
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_errors_name_the_argument(framework):
+    """beta > 0 without ref_log_probs, a per-token tensor of another shape, integer
+    advantages, a clip range that is not one: ValueError naming what is wrong."""
+    import jax.numpy as jnp
+
+    import jax_impl
+    import torch_impl
+
+    p, _, _ = _problem("on-policy", "float32")
+    if framework == "torch":
+        fn, arr = torch_impl.linear_policy_loss, torch.tensor
+    else:
+        fn, arr = jax_impl.linear_policy_loss, jnp.asarray
+    x, W, y = arr(p.x), arr(p.W), arr(p.y.astype(np.int32))
+    adv = arr(np.ones(p.y.shape, np.float32))
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        fn(x, W, y, adv, beta=0.1)
+    with pytest.raises(ValueError, match="old_log_probs of shape"):
+        fn(x, W, y, adv, old_log_probs=arr(np.zeros(p.y.shape[0] + 1, np.float32)))
+    with pytest.raises(ValueError, match="advantages must be a floating"):
+        fn(x, W, y, arr(np.ones(p.y.shape, np.int32)))
+    with pytest.raises(ValueError, match="epsilon_low"):
+        fn(x, W, y, adv, epsilon_low=1.0)
+    with pytest.raises(ValueError, match="beta"):
+        fn(x, W, y, adv, beta=-1.0)
+
+
+def test_torch_device_mix_is_named():
+    """A per-token tensor on another device than the input: ValueError naming it."""
+    import torch_impl
+
+    p, _, _ = _problem("on-policy", "float32")
+    x, W, y = torch.tensor(p.x), torch.tensor(p.W), torch.tensor(p.y)
+    with pytest.raises(ValueError, match="old_log_probs"):
+        torch_impl.linear_policy_loss(x, W, y, 1.0, old_log_probs=torch.zeros(p.y.shape, device="meta"))
+
+
+def test_same_arguments_and_defaults_in_both_frameworks():
+    import inspect
+
+    import jax_impl
+    import torch_impl
+
+    params = lambda f: [(p.name, p.default) for p in inspect.signature(f).parameters.values()]
+    assert params(torch_impl.linear_policy_loss) == params(jax_impl.linear_policy_loss)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("framework, strategy", RUNS)
+def test_on_the_gpu(framework, strategy):
+    """Every case in bf16 and fp32 on the GPU (PyTorch on CUDA, JAX on its default GPU), and
+    the "DV" layout."""
+    for case in CASES:
+        for dtype in ("bfloat16", "float32"):
+            p, options, tokens = _problem(case, dtype)
+            got = run(framework, strategy, p, options, tokens, "cuda")
+            check(got, _reference(p, options, tokens), dtype, p.logit_scale, f"{framework}, {strategy}, {case}, {dtype}")
+    p, options, tokens = _problem("weights-ignore", "float32", "DV")
+    check(run(framework, strategy, p, options, tokens, "cuda"), _reference(p, options, tokens), "float32", 1.0, "DV")

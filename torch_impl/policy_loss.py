@@ -1,0 +1,193 @@
+"""`linear_policy_loss` for PyTorch: the clipped policy-gradient loss of PPO and GRPO (with a
+KL to a reference policy and an entropy bonus) on a linear head, without the N x V logits
+(interop/SPEC.md, "Policy loss").
+
+The loss of each token is a function of its log-probability and entropy
+(`interop.policy_loss.token_terms`), so, unlike `linear_log_probs`, its upstream gradients
+are known as soon as a row block's statistics are: "speed" forms the gradients in the
+forward pass from one product per block of whole rows (`log_probs.forward_with_grads`, 6 N D V
+flops, as cross-entropy's "speed"), and the backward pass only scales them. "memory" and
+"chunked" keep the forward pass's log-probabilities and entropy and recompute the logits in the
+backward pass (`log_probs.backward`, 8 N D V flops), holding no gradient between the passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from interop.log_probs import LogProbsOptions
+from interop.options import check_inputs, check_strategy, check_tuning
+from interop.policy_loss import PolicyLossOptions, token_terms
+from interop.tuning import Tuning
+from torch_impl import log_probs
+from torch_impl.arguments import autocast_inputs, check_tensors, dense
+from torch_impl.autograd import first_order_only
+from torch_impl.blocks import BlockPlan
+from torch_impl.custom_ops import dtype_of, optional_shape
+from torch_impl.functional import check_target_range, choose_strategy
+from torch_impl.rows import compute_dtype
+from torch_impl.steps import plan_steps
+
+SECOND_ORDER_MESSAGE = "logitless: linear_policy_loss gives first-order gradients only"
+TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight")
+
+
+def _terms(o: PolicyLossOptions, tokens: dict, rs, logp, entropy, valid):
+    """token_terms over rows rs of the per-token tensors (a dict of [N] or None)."""
+    at = {k: None if v is None else v[rs] for k, v in tokens.items()}
+    return token_terms(torch, o, logp, entropy, valid[rs], at["advantages"], at["old_log_probs"], at["ref_log_probs"],
+                       at["token_weight"])
+
+
+class LinearPolicyLoss(torch.autograd.Function):
+    """Over flattened rows x [N, D], W, bias, targets y [N] (int64), the per-token tensors
+    (a dict of [N] in the compute dtype, or None) and the options; returns the loss (0-d,
+    fp32, fp64 for fp64 inputs). "speed" forms the gradients in the forward pass and the
+    first backward pass scales them; a later one (retain_graph) recomputes."""
+
+    @staticmethod
+    def forward(ctx, x_ND, W, b_V, y_N, tokens: dict, o: PolicyLossOptions, head: LogProbsOptions, layout: str,
+                plan: BlockPlan, ops):
+        need = ctx.needs_input_grad[:3]
+        valid = y_N != head.ignore_index
+        in_forward = any(need) and plan.strategy == "speed"
+        if in_forward:
+            upstream = lambda rs, logp, entropy: _terms(o, tokens, rs, logp, entropy, valid)[1:]
+            logp, entropy, *grads = log_probs.forward_with_grads(x_ND, W, b_V, y_N, head, layout, plan, ops, upstream,
+                                                                 need)
+            lse = None
+        else:
+            logp, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops)
+            grads = None
+        ctx.grads = grads
+        ctx.args = (tokens, o, head, layout, plan, ops)
+        ctx.save_for_backward(x_ND, W, b_V, y_N, logp, entropy, lse)
+        ctx.set_materialize_grads(False)
+        return _terms(o, tokens, slice(None), logp, entropy, valid)[0].sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return first_order_only(ctx, LinearPolicyLoss._backward, grad_loss, message=SECOND_ORDER_MESSAGE)
+
+    @staticmethod
+    def _backward(ctx, grad_loss):
+        none = (None,) * 7
+        if grad_loss is None:
+            return (None, None, None) + none
+        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
+            grads, ctx.grads = ctx.grads, None
+            return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
+        x_ND, W, b_V, y_N, logp, entropy, lse = ctx.saved_tensors
+        tokens, o, head, layout, plan, ops = ctx.args
+        _, g, g_h = _terms(o, tokens, slice(None), logp, entropy, y_N != head.ignore_index)
+        g, g_h = g * grad_loss, None if g_h is None else g_h * grad_loss
+        if lse is None:  # a later backward of "speed": the statistics again
+            _, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops)
+        return log_probs.backward(g, g_h, x_ND, W, b_V, y_N, lse, entropy, head, layout, plan, ops,
+                                  ctx.needs_input_grad[:3]) + none
+
+
+def _per_token(name: str, t, shape, input, wide):
+    """A per-token argument as [N] in the compute dtype: a tensor (or a number, for
+    advantages) that broadcasts to the target's shape, else ValueError naming it."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t, dtype=wide, device=input.device)
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+    try:
+        return dense(torch.broadcast_to(t.to(wide), shape).reshape(-1))
+    except RuntimeError:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the target's shape {tuple(shape)} "
+                         "(a per-sequence advantage [B] of targets [B, T] is advantages[:, None])") from None
+
+
+@torch.compiler.disable
+def linear_policy_loss(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    advantages,
+    *,
+    old_log_probs: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    token_weight: torch.Tensor | None = None,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.0,
+    entropy_coef: float = 0.0,
+    linear_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int | None = -100,
+    weight_layout: str = "VD",
+    strategy: str = "auto",
+    accumulate_in_input_dtype: bool = False,
+    tuning: Tuning | None = None,
+) -> torch.Tensor:
+    """The clipped policy-gradient loss (PPO, GRPO) of the policy softmax(u), u = softcap(input
+    @ W^T + b) / temperature, over the tokens `target`, without the N x V logits.
+
+    Per token, with logp its log-probability, H the entropy, r = exp(logp - old_log_probs):
+
+        w (-min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A)
+           + beta (exp(ref - logp) - (ref - logp) - 1) - entropy_coef H)
+
+    summed over the tokens whose target is not ignore_index (TRL's GRPOTrainer and verl
+    compute these terms).
+
+    Args:
+        input: [..., D] hidden states (bf16/fp16/fp32/fp64); linear_weight: [V, D] ("VD") or
+            [D, V] ("DV"); target: [...] the sampled token ids (ignore_index for prompt and
+            padding positions).
+        advantages: A, broadcast to the target's shape (a number, per sequence [B, 1] for
+            targets [B, T], or per token).
+        old_log_probs: the sampling policy's log-probabilities (target's shape); None: the
+            policy itself, detached (on-policy: r = 1).
+        ref_log_probs: the reference policy's, needed when beta > 0.
+        token_weight: w (target's shape), e.g. a mask over each sequence's length for GRPO's
+            per-sequence mean; None: 1 / (the tokens not ignored, at least 1), a mean over
+            the batch's tokens (DAPO, TRL's "bnpo").
+        epsilon_low, epsilon_high, beta, entropy_coef: as in the formula (each >= 0,
+            epsilon_low < 1).
+        linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+        accumulate_in_input_dtype, tuning: as for linear_log_probs; "speed" forms the
+        gradients in the forward pass (6 N D V flops, as a loss on materialised logits).
+
+    Returns:
+        the loss, 0-d, fp32 (fp64 for fp64 input), differentiable in input, linear_weight and
+        linear_bias (not in the per-token tensors, as RL trainers treat them).
+
+    Inside torch.compile the call runs eagerly (a graph break).
+    """
+    check_tensors(input, dict(linear_weight=linear_weight, target=target),
+                  dict(linear_bias=linear_bias, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                       token_weight=token_weight, **({"advantages": advantages} if isinstance(advantages, torch.Tensor)
+                                                     else {})))
+    input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
+    tuning = check_tuning(tuning)
+    check_strategy(strategy)
+    head = LogProbsOptions(temperature, softcap, ignore_index)
+    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
+    if o.beta and ref_log_probs is None:
+        raise ValueError(f"beta={o.beta} needs ref_log_probs (the reference policy's log-probabilities)")
+    shape = check_inputs(
+        input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
+        weight_dtype=dtype_of(linear_weight), target_shape=tuple(target.shape), target_dtype=dtype_of(target),
+        bias_shape=optional_shape(linear_bias), bias_dtype=dtype_of(linear_bias), weight_layout=weight_layout)
+    wide = compute_dtype(input.dtype)
+    given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                 token_weight=token_weight)
+    tokens = {k: _per_token(k, given[k], target.shape, input, wide) for k in TOKEN_ARGUMENTS}
+    y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
+    check_target_range(y_N, shape.vocab, head.ignore_index)
+    if tokens["token_weight"] is None:
+        valid = y_N != head.ignore_index
+        tokens["token_weight"] = valid.to(wide) / valid.sum().clamp(min=1)
+    x_ND = input.reshape(shape.n_rows, shape.hidden)
+    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab, tuning)
+    plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype,
+                           accumulate_in_input_dtype)
+    return LinearPolicyLoss.apply(x_ND, linear_weight, dense(linear_bias), y_N, tokens, o, head, weight_layout, plan,
+                                  ops)
