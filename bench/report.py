@@ -7,8 +7,9 @@ python -m bench.report FILE.json                   # every row and column of one
 
 The README holds one section per framework between `<!-- bench.report torch -->` and
 `<!-- /bench.report torch -->` (the same with `jax`), and one for `compiled_model.json` (a
-model's step under torch.compile, written by `python -m bench.compiled_model`; left as it is
-when the folder has no such file); everything between a pair is replaced. A check mode lets
+model's step under torch.compile, written by `python -m bench.compiled_model`) and one for
+`log_probs_{torch,jax}.json` (`python -m bench.log_probs`), each left as it is when the folder
+has no such file; everything between a pair is replaced. A check mode lets
 a test hold the README to the numbers the JSON records.
 """
 
@@ -26,6 +27,7 @@ from bench.measure import PRESETS
 FRAMEWORKS = {"torch": "PyTorch", "jax": "JAX"}
 VERSIONS = {"torch": ("torch", "triton", "liger-kernel", "cut-cross-entropy"), "jax": ("jax", "jax-cce")}
 COMPILED = "compiled_model"  # the section, and its JSON's name in the results folder
+RL = "log_probs"  # the RL outputs' section (bench.log_probs), and its JSONs' loss name
 
 
 def _err(r, key) -> str:
@@ -141,14 +143,47 @@ def compiled_section(path: str, data: dict) -> str:
     return text + "\n".join(lines) + "\n"
 
 
+def rl_section(runs: dict[str, tuple[str, dict]]) -> str:
+    """`bench.log_probs`' runs ({framework: (path, data)}): per framework and method, at each
+    shape, fwd+bwd ms and peak memory over the floor of both losses ("-" where not run)."""
+    env = next(iter(runs.values()))[1]["environment"]
+    paths = ", ".join(f"`{path}`" for path, _ in runs.values())
+    rows = [r for _, data in runs.values() for r in data["results"]]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    dims = {r["shape"]: f"{r['N']} x {r['D']} x {r['V']}" for r in rows}
+    text = (f"On {env['device']}, bf16, random data, {env['date'][:10]} ({paths}). Each cell: fwd+bwd ms of "
+            f"log-probabilities + entropy (random upstream gradients) / of GRPO's loss (clipped ratio, KL to a "
+            f"reference, beta 0.04), then the peak memory beyond the inputs over the floor of each.\n\n")
+    lines = ["| method | " + " | ".join(f"{s} ({dims[s]})" for s in shapes) + " |", "|---|" + "---|" * len(shapes)]
+    got = lambda r, key, fmt: "-" if r is None or "error" in r else format(r[key], fmt)
+    for fw, (_, data) in runs.items():
+        for method in dict.fromkeys(r["method"] for r in data["results"]):
+            cells = []
+            for s in shapes:
+                lp, grpo = ({r["loss"]: r for r in data["results"] if r["method"] == method and r["shape"] == s}.get(k)
+                            for k in ("log_probs", "grpo"))
+                cells.append(f"{got(lp, 'fwd_bwd_ms', '.1f')} / {got(grpo, 'fwd_bwd_ms', '.1f')} "
+                             f"({got(lp, 'floor_ratio', '.2f')} / {got(grpo, 'floor_ratio', '.2f')} x floor)")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return text + "\n".join(lines) + "\n"
+
+
 def sections_of(folder: str, found: dict[str, tuple[str, dict]]) -> dict[str, str]:
     """{section name: its README text}: the frameworks' `found` (`load(folder)`), and the
-    compiled model's where `folder` holds its JSON."""
+    compiled model's and the RL outputs' where `folder` holds their JSON."""
     sections = {fw: section(path, data) for fw, (path, data) in found.items()}
     path = os.path.join(folder, COMPILED + ".json")
     if os.path.exists(path):
         with open(path) as f:
             sections[COMPILED] = compiled_section(path, json.load(f))
+    runs = {}
+    for fw in FRAMEWORKS:
+        path = store.json_path(folder, RL, fw)
+        if os.path.exists(path):
+            with open(path) as f:
+                runs[fw] = (path, json.load(f))
+    if runs:
+        sections[RL] = rl_section(runs)
     return sections
 
 
@@ -156,11 +191,11 @@ def rewrite(text: str, sections: dict[str, str]) -> str:
     """`text` with each section between its markers; a framework with a JSON but no markers,
     or markers but no JSON, is an error (a README that silently keeps old numbers). The
     compiled model's markers without its JSON keep their text (another command writes it)."""
-    for fw in (*FRAMEWORKS, COMPILED):
+    for fw in (*FRAMEWORKS, COMPILED, RL):
         pattern = re.compile(rf"(<!-- bench\.report {fw} -->\n).*?(<!-- /bench\.report {fw} -->)", re.DOTALL)
         has_markers = pattern.search(text) is not None
         if has_markers and fw not in sections:
-            if fw == COMPILED:
+            if fw in (COMPILED, RL):
                 continue
             raise ValueError(f"markers for {fw} but no cross_entropy_{fw}.json")
         if fw in sections and not has_markers:

@@ -132,8 +132,23 @@ def test_committed_results_render_and_readme_matches(tmp_path, capsys, monkeypat
     for _, data in found.values():
         assert {r["shape"] for r in data["results"]} == {"L", "G", "S"} and data["environment"]["device"] in printed
     sections = re.findall(r"<!-- bench\.report \w+ -->\n(.*?)<!-- /bench\.report", Path("README.md").read_text(), re.DOTALL)
-    assert len(sections) == 3 and all(sections), "README.md lacks its tables: python -m bench.report --readme README.md"
+    assert len(sections) == 4 and all(sections), "README.md lacks its tables: python -m bench.report --readme README.md"
     assert report.main(["--readme", "README.md", "--check"]) == 0, "run python -m bench.report --readme README.md"
+
+
+def test_rl_section_has_both_losses_of_every_method():
+    """The RL outputs' table (bench.log_probs' JSON): a row per framework's method, a column
+    per shape, each cell the log-probabilities' then GRPO's time and memory ("-" where a
+    method did not run that loss)."""
+    runs = {fw: (f"{fw}.json", json.loads((ROOT / f"bench/results/log_probs_{fw}.json").read_text()))
+            for fw in ("torch", "jax")}
+    table = report.rl_section(runs).split("\n\n")[1].splitlines()
+    methods = [m for _, data in runs.values() for m in dict.fromkeys(r["method"] for r in data["results"])]
+    assert [line.split(" |")[0][2:] for line in table[2:]] == methods
+    row = {r["loss"]: r for r in runs["torch"][1]["results"] if r["method"] == "ours-speed" and r["shape"] == "RL"}
+    cell = table[2].split(" | ")[1]
+    assert cell.startswith(f"{row['log_probs']['fwd_bwd_ms']:.1f} / {row['grpo']['fwd_bwd_ms']:.1f} (")
+    assert "| liger-grpo | - / " in "\n".join(table)
 
 
 def test_compiled_model_section_is_generated_and_optional(tmp_path):
