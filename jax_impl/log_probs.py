@@ -55,8 +55,9 @@ def _upstream(g, y_N, cfg: DistillConfig, wide):
     return jnp.where(valid, jnp.where(in_range, g.astype(wide), jnp.nan), 0)
 
 
-def _forward(x_ND, W, b_V, y_N, cfg: DistillConfig):
-    """(log_probs, entropy, argmax, lse), per row."""
+def _forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None):
+    """(log_probs, entropy, argmax, lse), per row; keep: bool [N], the only rows computed
+    (`jax_impl.rows.row_loop`; the others' outputs are 0), or None."""
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
 
     def row_step(carry, xs):
@@ -66,14 +67,15 @@ def _forward(x_ND, W, b_V, y_N, cfg: DistillConfig):
                                                      o.softcap, 1.0 / o.temperature), _running(x_R.shape[0], wide))
         return carry, _outputs(running, y_R, cfg)
 
-    return row_loop(row_step, (), (x_ND, y_N), x_ND.shape[0], cfg.block_rows)[1]
+    return row_loop(row_step, (), (x_ND, y_N), x_ND.shape[0], cfg.block_rows, keep)[1]
 
 
-def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream):
+def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream, keep=None):
     """(log_probs [N], entropy [N], dx, dW, db) with the gradients formed in the forward pass,
     in blocks of whole rows (cfg.block_cols == V: one product per block, 6 N D V flops in
     all), for upstream gradients that each row's values decide: upstream(logp_R, entropy_R,
-    per_row_R) -> (g_R, g_h_R or None), per_row a tuple of [N] arrays given by rows."""
+    per_row_R) -> (g_R, g_h_R or None), per_row a tuple of [N] arrays given by rows; keep:
+    as for `_forward` (the other rows' dx is 0)."""
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
 
     def row_step(carry, xs):
@@ -89,7 +91,7 @@ def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream)
 
     init = (jnp.zeros(W.shape, cfg.accumulate_dtype(W.dtype)), None if b_V is None else jnp.zeros(b_V.shape, wide))
     (dW, db), (logp, entropy, dx) = row_loop(row_step, init, (x_ND, y_N) + tuple(per_row), x_ND.shape[0],
-                                             cfg.block_rows)
+                                             cfg.block_rows, keep)
     return logp, entropy, dx, dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype)
 
 
@@ -111,9 +113,10 @@ def _bwd(cfg, with_entropy, res, cotangents):
     return grads(*res, g_lp, g_H if with_entropy else None, cfg) + (None,)
 
 
-def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig):
+def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=None):
     """(dx, dW, db) for the upstream gradients of the log-probabilities and entropy ([N];
-    g_H None when the entropy has none), recomputing the logits block by block."""
+    g_H None when the entropy has none), recomputing the logits block by block; keep: as for
+    `_forward`."""
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), lse.dtype
     g_lp = _upstream(g_lp, y_N, cfg, wide)
 
@@ -132,7 +135,7 @@ def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig):
     db = None if b_V is None else jnp.zeros(b_V.shape, wide)
     per_row = (x_ND, y_N, lse, entropy, g_lp) + (() if g_H is None else (g_H.astype(wide),))
     (dW, db), (dx,) = row_loop(row_step, (jnp.zeros(W.shape, cfg.accumulate_dtype(W.dtype)), db), per_row,
-                               x_ND.shape[0], cfg.block_rows)
+                               x_ND.shape[0], cfg.block_rows, keep)
     return dx, dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from interop.blocking import skipping_pays
 from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
 from interop.policy_loss import PolicyLossOptions, token_terms
@@ -36,15 +37,23 @@ def _terms(o: PolicyLossOptions, cfg: DistillConfig, y, logp, entropy, tokens: d
     return token_terms(jnp, o, logp, entropy, valid, *(tokens.get(k) for k in TOKEN_ARGUMENTS))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLossOptions):
+def _keep(cfg: DistillConfig, skip: bool, y_N):
+    """The rows to compute: those not ignored where `skip` (an ignored token adds nothing),
+    else None (all)."""
+    return (y_N != cfg.options.ignore_index) if skip else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLossOptions, skip: bool):
     """The loss (0-d, fp32; fp64 for fp64 inputs) over flattened rows x [N, D], int32 targets
-    y [N] and the per-token arrays (a dict of [N] in the compute dtype; absent keys are None)."""
-    logp, entropy, _, _ = _forward(x_ND, W, b_V, y_N, cfg)
+    y [N] and the per-token arrays (a dict of [N] in the compute dtype; absent keys are None);
+    skip: compute only the rows not ignored."""
+    logp, entropy, _, _ = _forward(x_ND, W, b_V, y_N, cfg, _keep(cfg, skip, y_N))
     return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum()
 
 
-def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o):
+def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o, skip):
+    keep = _keep(cfg, skip, y_N)
     if cfg.strategy == "speed":
         keys = tuple(tokens)
 
@@ -53,21 +62,21 @@ def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o):
             return _terms(o, cfg, y_R, logp_R, entropy_R, dict(zip(keys, values)))[1:]
 
         logp, entropy, dx, dW, db = forward_with_grads(x_ND, W, b_V, y_N, (y_N,) + tuple(tokens.values()), cfg,
-                                                       upstream)
+                                                       upstream, keep)
         return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((dx, dW, db), tokens)
-    logp, entropy, _, lse = _forward(x_ND, W, b_V, y_N, cfg)
+    logp, entropy, _, lse = _forward(x_ND, W, b_V, y_N, cfg, keep)
     return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((x_ND, W, b_V, y_N, logp, entropy, lse), tokens)
 
 
-def _bwd(cfg, o, res, g_loss):
+def _bwd(cfg, o, skip, res, g_loss):
     saved, tokens = res
     no_tokens = jax.tree.map(jnp.zeros_like, tokens)
     if cfg.strategy == "speed":
         return tuple(None if g is None else (g * g_loss).astype(g.dtype) for g in saved) + (None, no_tokens)
     x_ND, W, b_V, y_N, logp, entropy, lse = saved
     _, g, g_h = _terms(o, cfg, y_N, logp, entropy, tokens)
-    return grads(x_ND, W, b_V, y_N, lse, entropy, g * g_loss, None if g_h is None else g_h * g_loss, cfg) + (
-        None, no_tokens)
+    return grads(x_ND, W, b_V, y_N, lse, entropy, g * g_loss, None if g_h is None else g_h * g_loss, cfg,
+                 _keep(cfg, skip, y_N)) + (None, no_tokens)
 
 
 policy_loss.defvjp(_fwd, _bwd)
@@ -131,8 +140,9 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
                shape.vocab, input.dtype, accumulate_in_input_dtype, platform)
 
     keys = tuple(tokens)
+    skip = strategy != "chunked" and skipping_pays(tuning, n, shape.hidden, shape.vocab)
 
     def loss(x, W, b, y, *values):
-        return policy_loss(x.reshape(n, shape.hidden), W, b, y, dict(zip(keys, values)), cfg, o)
+        return policy_loss(x.reshape(n, shape.hidden), W, b, y, dict(zip(keys, values)), cfg, o, skip)
 
     return on_mesh(loss, (input, linear_weight, linear_bias, y, *tokens.values()), lambda: P())

@@ -5,6 +5,8 @@ tokens, both clips, the KL and entropy terms, errors named."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -76,7 +78,7 @@ def run_torch(p, options, tokens, strategy, device=None, layouts=None, tuning=SM
     return {k: v.detach().double().cpu().numpy() for k, v in out.items()}
 
 
-def run_jax(p, options, tokens, strategy, jit=False):
+def run_jax(p, options, tokens, strategy, jit=False, tuning=SMALL):
     import jax
     import jax.numpy as jnp
 
@@ -88,7 +90,7 @@ def run_jax(p, options, tokens, strategy, jit=False):
 
     def f(x, W, b=None):
         return jax_impl.linear_policy_loss(x, W, jnp.asarray(p.y.astype(np.int32)), linear_bias=b,
-                                           weight_layout=p.weight_layout, strategy=strategy, tuning=SMALL, **options,
+                                           weight_layout=p.weight_layout, strategy=strategy, tuning=tuning, **options,
                                            **tok)
 
     grad = jax.value_and_grad(f, argnums=tuple(range(len(args))))
@@ -167,6 +169,44 @@ def test_matches_reference(framework, strategy, case, dtype):
     p, options, tokens = _problem(case, dtype)
     got = run(framework, strategy, p, options, tokens)
     check(got, _reference(p, options, tokens), dtype, p.logit_scale, f"{framework}, {strategy}, {case}")
+
+
+# SMALL with the ignored tokens skipped at any size (by default from N D V = 2^40)
+SKIP_IGNORED = dataclasses.replace(SMALL, skip_ignored_min_work=0)
+
+
+@pytest.mark.parametrize("framework, strategy", [r for r in RUNS if r[1] != "chunked"])
+@pytest.mark.parametrize("case", ["weights-ignore", "entropy-T-bias-softcap"])
+def test_only_the_tokens_not_ignored_are_computed(framework, strategy, case, monkeypatch):
+    """The kernel strategies compute only the rows whose token is not ignored (an ignored
+    token adds nothing to the loss or the gradients): PyTorch's blocks hold those rows, JAX's
+    row loop keeps them; the result is the reference's, grad_input 0 on the others."""
+    p, options, tokens = _problem(case, "float32")
+    ignored = p.y.reshape(-1) == options.get("ignore_index", -100)
+    assert ignored.any() and not ignored.all()
+    if framework == "torch":
+        from torch_impl import log_probs
+
+        computed = []
+        original = log_probs._blocks
+        monkeypatch.setattr(log_probs, "_blocks", lambda *a, **k: computed.append(original(*a, **k).n_rows) or
+                            original(*a, **k))
+        got = run_torch(p, options, tokens, strategy, tuning=SKIP_IGNORED)
+        assert computed and set(computed) == {int((~ignored).sum())}, computed
+    else:
+        from jax_impl import rows
+
+        kept = []
+        original = rows.row_loop
+        monkeypatch.setattr(rows, "row_loop", lambda *a, **k: kept.append(k.get("keep", a[5] if len(a) > 5 else None))
+                            or original(*a, **k))
+        import jax_impl.log_probs
+
+        monkeypatch.setattr(jax_impl.log_probs, "row_loop", rows.row_loop)
+        got = run_jax(p, options, tokens, strategy, tuning=SKIP_IGNORED)
+        assert kept and all(k is not None for k in kept), kept
+    check(got, _reference(p, options, tokens), "float32", p.logit_scale, f"{framework}, {strategy}")
+    assert not got["grad_x"].reshape(-1, p.x.shape[-1])[ignored].any()
 
 
 @pytest.mark.parametrize("layout", ["strided", "transposed", "expanded", "offset"])

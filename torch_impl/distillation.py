@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from interop.blocking import skipping_pays
 from interop.distillation import teacher_id_out_of_range_message
 from interop.options import check_reduction, check_tuning, target_out_of_range_message
 from interop.tuning import Tuning
@@ -14,17 +13,9 @@ from torch_impl.arguments import autocast_inputs, check_tensors, dense, denomina
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation
 from torch_impl.steps import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
-from torch_impl.functional import choose_strategy, head_slice, rows_to_compute
+from torch_impl.functional import choose_strategy, head_slice, valid_rows_only
 from torch_impl.rows import compute_dtype
 from torch_impl.stepped import local_targets
-
-
-def _valid_rows_only(t: Tuning, strategy: str, valid_N, hidden: int, vocab: int):
-    """The valid rows [A] (int64) when the kernels should compute only those
-    (`torch_impl.functional.rows_to_compute`), else None."""
-    if strategy == "chunked" or not skipping_pays(t, valid_N.shape[0], hidden, vocab):
-        return None
-    return rows_to_compute(valid_N)
 
 
 def _all_rows(loss_A, rows, n: int):
@@ -139,7 +130,7 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
     linear_bias = dense(linear_bias)
     wide = compute_dtype(input.dtype)
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, shape.vocab, tuning)
-    rows = None if vocab_parallel is not None else _valid_rows_only(tuning, strategy, valid, shape.hidden, V)
+    rows = None if vocab_parallel is not None else valid_rows_only(tuning, strategy, valid, shape.hidden, V)
     if rows is not None:  # the rows left out contribute nothing: the kernels compute only the others
         ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (ids, logprobs, y_kernel, valid))
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
@@ -225,7 +216,7 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
     x_ND = input.reshape(n, shape.hidden)
     xt_ND = teacher_input.reshape(n, shape.teacher_hidden).detach()
     strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab, tuning)
-    rows = _valid_rows_only(tuning, strategy, valid, shape.hidden, vocab)
+    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, vocab)
     if rows is not None:
         valid = valid.index_select(0, rows)
     plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,

@@ -47,6 +47,14 @@ def rows_to_compute(keep_N: torch.Tensor) -> torch.Tensor | None:
     return active if 0 < active.shape[0] < keep_N.shape[0] else None
 
 
+def valid_rows_only(t: Tuning, strategy: str, valid_N: torch.Tensor, hidden: int, vocab: int) -> torch.Tensor | None:
+    """The valid rows [A] (int64) when the kernels should compute only those (the others add
+    nothing to a loss; `rows_to_compute`, where `skipping_pays`), else None."""
+    if strategy == "chunked" or not skipping_pays(t, valid_N.shape[0], hidden, vocab):
+        return None
+    return rows_to_compute(valid_N)
+
+
 def head_slice(group, check_local, device) -> tuple[int, int]:
     """(this rank's first class, V of the whole head) of a head split over `group`, after
     every rank's own checks (`check_local`: the ProblemShape of this rank's arguments, or

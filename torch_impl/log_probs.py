@@ -34,8 +34,9 @@ from torch_impl.steps import TorchOps, plan_steps
 SECOND_ORDER_MESSAGE = "logitless: linear_log_probs gives first-order gradients only"
 
 
-def _blocks(x_ND, W, b_V, layout: str, plan: BlockPlan, ops) -> HeadBlocks:
-    return HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=compute_dtype(x_ND.dtype) if ops is TorchOps else None)
+def _blocks(x_ND, W, b_V, layout: str, plan: BlockPlan, ops, active=None) -> HeadBlocks:
+    return HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=compute_dtype(x_ND.dtype) if ops is TorchOps else None,
+                      active=active)
 
 
 def _target_rows(y_N, o: LogProbsOptions, vocab: int):
@@ -66,13 +67,13 @@ def _upstream(g, valid, in_range):
     return torch.where(valid, torch.where(in_range, g, torch.full_like(g, torch.nan)), torch.zeros_like(g)).contiguous()
 
 
-def forward(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan, ops):
+def forward(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan, ops, active=None):
     """(log-probabilities [N], entropy [N], argmax [N] int64, lse [N]) over flattened rows x
     [N, D], the head W, its bias and targets y [N] (int64); log-probabilities, entropy and
     lse in the compute dtype (fp32, fp64 for fp64). A target outside [0, V) that is not
-    ignore_index gives NaN."""
-    blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
-    running = _running(x_ND.shape[0], compute_dtype(x_ND.dtype), x_ND.device)
+    ignore_index gives NaN. active: as for `forward_with_grads` (every output over [A])."""
+    blocks = _blocks(x_ND, W, b_V, layout, plan, ops, active)
+    running = _running(blocks.n_rows, compute_dtype(x_ND.dtype), x_ND.device)
     for rs in blocks.row_blocks():
         for v0, cols in blocks.col_blocks():
             ops.log_prob_stats_(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], tuple(r[rs] for r in running), o.softcap,
@@ -82,16 +83,18 @@ def forward(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan,
 
 
 def forward_with_grads(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: BlockPlan, ops, upstream,
-                       need=(True, True, True)):
-    """(log-probabilities [N], entropy [N], dx, dW, db) with the gradients formed in the
-    forward pass, for upstream gradients that each row's log-probability and entropy decide:
+                       need=(True, True, True), active=None):
+    """(log-probabilities, entropy, dx, dW, db) with the gradients formed in the forward pass,
+    for upstream gradients that each row's log-probability and entropy decide:
     upstream(rs, logp_R, entropy_R) -> (g_R, g_h_R or None) for the rows rs. Each row block's
     statistics come first, then its dz: blocks of whole rows ("speed", "chunked") compute
-    their logits once (6 N D V flops in all), rows x columns blocks twice."""
+    their logits once (6 N D V flops in all), rows x columns blocks twice. active: int64
+    [A], the only rows of x computed (y_N, the outputs and rs are then over those [A]; the
+    other rows of dx are 0), or None."""
     wide = compute_dtype(x_ND.dtype)
-    blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
+    blocks = _blocks(x_ND, W, b_V, layout, plan, ops, active)
     valid, in_range = _target_rows(y_N, o, blocks.vocab)
-    logp, entropy = (torch.empty(x_ND.shape[0], dtype=wide, device=x_ND.device) for _ in range(2))
+    logp, entropy = (torch.empty(blocks.n_rows, dtype=wide, device=x_ND.device) for _ in range(2))
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
     for rs in blocks.row_blocks():
         running = _running(rs.stop - rs.start, wide, x_ND.device)
@@ -112,12 +115,12 @@ def forward_with_grads(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan:
 
 
 def backward(grad_logp, grad_entropy, x_ND, W, b_V, y_N, lse, entropy, o: LogProbsOptions, layout: str, plan: BlockPlan,
-             ops, need=(True, True, True)):
+             ops, need=(True, True, True), active=None):
     """(dx, dW, db) for the upstream gradients of `forward`'s log-probabilities and entropy
     ([N] each, or None), recomputing the logits block by block; None where `need` (x, W, b)
-    is not set."""
+    is not set. active: as for `forward_with_grads`."""
     wide = lse.dtype
-    blocks = _blocks(x_ND, W, b_V, layout, plan, ops)
+    blocks = _blocks(x_ND, W, b_V, layout, plan, ops, active)
     valid, in_range = _target_rows(y_N, o, blocks.vocab)
     g = _upstream(torch.zeros_like(lse) if grad_logp is None else grad_logp.to(wide), valid, in_range)
     g_h = None if grad_entropy is None else grad_entropy.to(wide).contiguous()

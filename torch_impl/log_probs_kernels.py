@@ -57,13 +57,15 @@ def _log_prob_stats_kernel(
     l_vec = tl.zeros([BLOCK], tl.float32)
     a_vec = tl.zeros([BLOCK], tl.float32)
     best_vec = tl.full([BLOCK], -float("inf"), tl.float32)
-    idx_vec = tl.full([BLOCK], 2**62, tl.int64)
+    # the block's own columns (C < 2^31) in int32 in the loop, which 64-bit compares and
+    # selects would slow; v0 is added once at the end
+    idx_vec = tl.full([BLOCK], 2**31 - 1, tl.int32)
     for c0 in range(0, C, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
         mask = offs < C
         u = tl.where(mask, _capped_logits(z_row + offs, b_ptr + v0, offs, mask, cap, HAS_BIAS, HAS_CAP) * inv_t, -float("inf"))
         m_vec, l_vec, a_vec = _merge(m_vec, l_vec, a_vec, u, tl.where(u == -float("inf"), 0.0, 1.0), tl.zeros([BLOCK], tl.float32))
-        best_vec, idx_vec = _best(best_vec, idx_vec, u, tl.where(mask, (v0 + offs).to(tl.int64), 2**62))
+        best_vec, idx_vec = _best(best_vec, idx_vec, u, tl.where(mask, offs, 2**31 - 1))
     m = nan_max_reduce(m_vec)
     safe = tl.where(m == -float("inf"), 0.0, m)
     f = tl.where(m_vec == -float("inf"), 0.0, tl.exp(m_vec - safe))
@@ -71,7 +73,8 @@ def _log_prob_stats_kernel(
     a_blk = tl.sum(tl.where(m_vec == -float("inf"), 0.0, f * (a_vec + l_vec * (m_vec - safe))), axis=0)
     best = nan_max_reduce(best_vec)
     tie = tl.where(best != best, best_vec != best_vec, best_vec == best)
-    idx = tl.min(tl.where(tie, idx_vec, 2**62), axis=0)
+    col = tl.min(tl.where(tie, idx_vec, 2**31 - 1), axis=0)
+    idx = tl.where(col == 2**31 - 1, 2**62, col.to(tl.int64) + v0)
     m_run, l_run, a_run = _merge(tl.load(m_ptr + row), tl.load(l_ptr + row), tl.load(a_ptr + row), m, l_blk, a_blk)
     tl.store(m_ptr + row, m_run)
     tl.store(l_ptr + row, l_run)

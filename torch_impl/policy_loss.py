@@ -24,7 +24,8 @@ from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.autograd import first_order_only
 from torch_impl.blocks import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
-from torch_impl.functional import check_target_range, choose_strategy
+from torch_impl.functional import check_target_range, choose_strategy, valid_rows_only
+from torch_impl.kernels import scale_
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import plan_steps
 
@@ -42,25 +43,27 @@ def _terms(o: PolicyLossOptions, tokens: dict, rs, logp, entropy, valid):
 class LinearPolicyLoss(torch.autograd.Function):
     """Over flattened rows x [N, D], W, bias, targets y [N] (int64), the per-token tensors
     (a dict of [N] in the compute dtype, or None) and the options; returns the loss (0-d,
-    fp32, fp64 for fp64 inputs). "speed" forms the gradients in the forward pass and the
-    first backward pass scales them; a later one (retain_graph) recomputes."""
+    fp32, fp64 for fp64 inputs). With `active` (int64 [A]: the tokens not ignored) only those
+    rows are computed, and y and the per-token tensors are [A]. "speed" forms the gradients
+    in the forward pass and the first backward pass scales them; a later one (retain_graph)
+    recomputes."""
 
     @staticmethod
     def forward(ctx, x_ND, W, b_V, y_N, tokens: dict, o: PolicyLossOptions, head: LogProbsOptions, layout: str,
-                plan: BlockPlan, ops):
+                plan: BlockPlan, ops, active):
         need = ctx.needs_input_grad[:3]
         valid = y_N != head.ignore_index
         in_forward = any(need) and plan.strategy == "speed"
         if in_forward:
             upstream = lambda rs, logp, entropy: _terms(o, tokens, rs, logp, entropy, valid)[1:]
             logp, entropy, *grads = log_probs.forward_with_grads(x_ND, W, b_V, y_N, head, layout, plan, ops, upstream,
-                                                                 need)
+                                                                 need, active)
             lse = None
         else:
-            logp, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops)
+            logp, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active)
             grads = None
         ctx.grads = grads
-        ctx.args = (tokens, o, head, layout, plan, ops)
+        ctx.args = (tokens, o, head, layout, plan, ops, active)
         ctx.save_for_backward(x_ND, W, b_V, y_N, logp, entropy, lse)
         ctx.set_materialize_grads(False)
         return _terms(o, tokens, slice(None), logp, entropy, valid)[0].sum()
@@ -71,20 +74,20 @@ class LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_loss):
-        none = (None,) * 7
+        none = (None,) * 8
         if grad_loss is None:
             return (None, None, None) + none
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
-            return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
+            return tuple(None if g is None else scale_(g, grad_loss) for g in grads) + none
         x_ND, W, b_V, y_N, logp, entropy, lse = ctx.saved_tensors
-        tokens, o, head, layout, plan, ops = ctx.args
+        tokens, o, head, layout, plan, ops, active = ctx.args
         _, g, g_h = _terms(o, tokens, slice(None), logp, entropy, y_N != head.ignore_index)
         g, g_h = g * grad_loss, None if g_h is None else g_h * grad_loss
         if lse is None:  # a later backward of "speed": the statistics again
-            _, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops)
+            _, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active)
         return log_probs.backward(g, g_h, x_ND, W, b_V, y_N, lse, entropy, head, layout, plan, ops,
-                                  ctx.needs_input_grad[:3]) + none
+                                  ctx.needs_input_grad[:3], active) + none
 
 
 def _per_token(name: str, t, shape, input, wide):
@@ -182,12 +185,15 @@ def linear_policy_loss(
     tokens = {k: _per_token(k, given[k], target.shape, input, wide) for k in TOKEN_ARGUMENTS}
     y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
     check_target_range(y_N, shape.vocab, head.ignore_index)
+    valid = y_N != head.ignore_index
     if tokens["token_weight"] is None:
-        valid = y_N != head.ignore_index
         tokens["token_weight"] = valid.to(wide) / valid.sum().clamp(min=1)
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab, tuning)
-    plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, shape.vocab, x_ND.dtype,
-                           accumulate_in_input_dtype)
+    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, shape.vocab)
+    if rows is not None:  # an ignored token adds nothing: the kernels compute only the others
+        y_N, tokens = y_N[rows], {k: None if v is None else v[rows] for k, v in tokens.items()}
+    plan, ops = plan_steps(tuning, strategy, y_N.shape[0], shape.hidden, shape.vocab, x_ND.dtype,
+                           accumulate_in_input_dtype, gathered_rows=rows is not None)
     return LinearPolicyLoss.apply(x_ND, linear_weight, dense(linear_bias), y_N, tokens, o, head, weight_layout, plan,
-                                  ops)
+                                  ops, rows)
