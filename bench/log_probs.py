@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from bench import measure, store
 from bench.__main__ import environment
-from interop.policy_loss import PolicyLossOptions, token_terms
+from interop.policy_loss import PolicyLossOptions, mean_weight, token_terms
 from torch_impl import linear_log_probs, linear_policy_loss
 
 SHAPES = {**measure.PRESETS, "RL": (32768, 4096, 151936)}
@@ -49,8 +49,8 @@ def naive_grpo(x, W, y, advantages, old_log_probs, ref_log_probs):
     """GRPO's loss from the materialised logits (no entropy term: none is asked for)."""
     logp = F.log_softmax((x @ W.T).float(), dim=-1).gather(-1, y.clamp(min=0)[:, None])[:, 0]
     valid = y != -100
-    w = valid.float() / valid.sum().clamp(min=1)
-    return token_terms(torch, GRPO, logp, None, valid, advantages, old_log_probs, ref_log_probs, w)[0].sum()
+    return token_terms(torch, GRPO, logp, None, valid, advantages, old_log_probs, ref_log_probs,
+                       mean_weight(torch, valid, logp))[0].sum()
 
 
 def grpo_inputs(y, device, seed=3):
@@ -165,9 +165,8 @@ def run_jax(shapes, repeat, log, only=None, losses=LOSSES):
     def naive_grpo_jax(x, W, y, tok):
         logp = naive_jax(x, W, y, None)[0]
         valid = y != -100
-        w = valid.astype(jnp.float32) / jnp.maximum(valid.sum(), 1)
         return token_terms(jnp, GRPO, logp, None, valid, tok["advantages"], tok["old_log_probs"], tok["ref_log_probs"],
-                           w)[0].sum()
+                           mean_weight(jnp, valid, logp))[0].sum()
 
     log_probs = lambda s: lambda x, W, y, _: jax_impl.linear_log_probs(x, W, y, return_entropy=True, strategy=s)
     grpo = lambda s: lambda x, W, y, tok: jax_impl.linear_policy_loss(x, W, y, beta=GRPO.beta, strategy=s, **tok)

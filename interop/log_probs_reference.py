@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from interop.log_probs import LogProbsOptions
-from interop.policy_loss import PolicyLossOptions, token_terms
+from interop.policy_loss import PolicyLossOptions, mean_weight, token_terms
 
 
 @dataclasses.dataclass
@@ -92,8 +92,9 @@ def linear_policy_loss_reference(input, linear_weight, target, advantages, *, ol
     per_token = lambda a: None if a is None else np.broadcast_to(np.asarray(a, np.float64), shape).reshape(-1)
     out = linear_log_probs_reference(input, linear_weight, target, **head)
     valid = np.asarray(target).reshape(-1) != LogProbsOptions(ignore_index=ignore_index).ignore_index
-    w = per_token(token_weight) if token_weight is not None else np.full(valid.shape, 1.0 / max(valid.sum(), 1))
-    loss, g, g_h = token_terms(np, o, out.log_probs.reshape(-1), out.entropy.reshape(-1), valid, per_token(advantages),
+    logp = out.log_probs.reshape(-1)
+    w = per_token(token_weight) if token_weight is not None else mean_weight(np, valid, logp)
+    loss, g, g_h = token_terms(np, o, logp, out.entropy.reshape(-1), valid, per_token(advantages),
                                per_token(old_log_probs), per_token(ref_log_probs), w)
     grads = linear_log_probs_reference(input, linear_weight, target, grad_log_probs=g.reshape(shape),
                                        grad_entropy=None if g_h is None else g_h.reshape(shape), **head)

@@ -15,6 +15,9 @@ import dataclasses
 
 from interop.options import nonnegative
 
+# The per-token arguments, in the order `token_terms` takes them.
+TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight")
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossOptions:
@@ -38,6 +41,18 @@ class PolicyLossOptions:
         if self.epsilon_low >= 1.0:
             raise ValueError(f"epsilon_low must be < 1 (the ratio's lower clip 1 - epsilon_low > 0), got {self.epsilon_low}")
 
+    def check_references(self, ref_log_probs) -> None:
+        """ValueError where the KL term has no reference policy."""
+        if self.beta and ref_log_probs is None:
+            raise ValueError(f"beta={self.beta} needs ref_log_probs (the reference policy's log-probabilities)")
+
+
+def mean_weight(xp, valid, like):
+    """The default token_weight: 1 / (the valid tokens, at least 1) on each valid token, 0
+    elsewhere (a mean over the tokens), in like's dtype; valid: bool [N] over all the rows."""
+    zero = 0.0 * like
+    return xp.where(valid, zero + 1.0, zero) / xp.clip(valid.sum(), 1, None)
+
 
 def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages, old_log_probs, ref_log_probs,
                 token_weight):
@@ -56,7 +71,9 @@ def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages,
     clipped = xp.clip(r, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high)
     unclipped_obj, clipped_obj = r * advantages, clipped * advantages
     loss = -xp.minimum(unclipped_obj, clipped_obj)
-    g = xp.where(unclipped_obj <= clipped_obj, -unclipped_obj, zero)
+    # the unclipped branch unless the clipped one is the smaller: a NaN ratio or advantage
+    # takes it, so its gradient is NaN too, as the loss is
+    g = xp.where(unclipped_obj > clipped_obj, zero, -unclipped_obj)
     if o.beta:
         d = ref_log_probs - log_probs
         loss = loss + o.beta * (xp.exp(d) - d - 1.0)

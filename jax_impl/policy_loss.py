@@ -15,12 +15,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from interop.blocking import skipping_pays
 from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
-from interop.policy_loss import PolicyLossOptions, token_terms
+from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
 from interop.tuning import Tuning
 from jax_impl.distill_blocked import DistillConfig
 from jax_impl.functional import (as_array, check_target_range, choose_strategy, dtype_name, maybe_array, platform_of,
@@ -28,8 +29,6 @@ from jax_impl.functional import (as_array, check_target_range, choose_strategy, 
 from jax_impl.log_probs import _forward, forward_with_grads, grads, plan
 from jax_impl.rows import compute_dtype, narrow_targets
 from jax_impl.sharding import on_mesh
-
-TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight")
 
 
 def _terms(o: PolicyLossOptions, cfg: DistillConfig, y, logp, entropy, tokens: dict):
@@ -87,7 +86,7 @@ def _per_token(name: str, value, shape, wide):
     advantages) that broadcasts to the target's shape, else ValueError naming it."""
     if value is None:
         return None
-    a = jnp.asarray(value, wide) if isinstance(value, (int, float)) else as_array(name, value)
+    a = jnp.asarray(value, wide) if isinstance(value, (int, float, np.number)) else as_array(name, value)
     if not jnp.issubdtype(a.dtype, jnp.floating):
         raise ValueError(f"{name} must be a floating array, got {a.dtype}")
     try:
@@ -105,7 +104,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     """The clipped policy-gradient loss (PPO, GRPO): the arguments and formula of
     `torch_impl.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
     "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs and token_weight
-    broadcast to the target's shape). Differentiable in input, linear_weight and linear_bias
+    broadcast to the target's shape; the default token_weight averages the call's tokens:
+    inside shard_map, each shard's). Differentiable in input, linear_weight and linear_bias
     (`jax.custom_vjp`; the per-token arrays get zero cotangents); usable under `jax.jit`,
     where a target out of [0, V) that is not ignore_index gives a NaN loss instead of the
     eager call's ValueError.
@@ -115,8 +115,7 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     """
     head = LogProbsOptions(temperature, softcap, ignore_index)
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
-    if o.beta and ref_log_probs is None:
-        raise ValueError(f"beta={o.beta} needs ref_log_probs (the reference policy's log-probabilities)")
+    o.check_references(ref_log_probs)
     check_strategy(strategy)
     tuning = check_tuning(tuning)
     input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
@@ -132,8 +131,7 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     tokens = {k: _per_token(k, given[k], target.shape, wide) for k in TOKEN_ARGUMENTS if given[k] is not None}
     y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, head.ignore_index)
     if "token_weight" not in tokens:
-        valid = y != ignore32
-        tokens["token_weight"] = valid.astype(wide) / jnp.maximum(valid.sum(), 1)
+        tokens["token_weight"] = mean_weight(jnp, y != ignore32, jnp.zeros(y.shape, wide))
     platform = platform_of(input)
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, shape.vocab, platform, tuning)
     cfg = plan(tuning, dataclasses.replace(head, ignore_index=ignore32), weight_layout, strategy, n, shape.hidden,

@@ -293,9 +293,9 @@ def test_same_arguments_and_defaults_in_both_frameworks():
 
 def test_jax_memory_blocks_are_sized_for_xla():
     """JAX "memory" takes cross-entropy's rows x columns blocks sized for what XLA holds
-    beyond the gradients (interop.blocking.xla_memory_block_shape): on the H200 at RL the
-    distillation losses' blocks held 1.21x the floor, these 1.10x. A head too small for
-    them (XLA's GEMM workspace alone over the budget) keeps the distillation blocks."""
+    beyond the gradients (interop.blocking.xla_memory_block_shape; 1.10x the floor at RL on
+    an H200, where the distillation losses' blocks hold 1.21x). A head too small for them
+    (XLA's GEMM workspace alone over the budget) keeps the distillation blocks."""
     import jax.numpy as jnp
 
     from interop import blocking

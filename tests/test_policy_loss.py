@@ -24,6 +24,9 @@ CASES = {
     "weights-ignore": (dict(beta=0.1, ignore_index=3), dict(ignore_index=3), ("old", "ref", "weight")),
 }
 STRATEGIES = ["speed", "memory", "chunked"]
+# The runs differentiate SCALE times the loss (as a loss divided for gradient accumulation,
+# or multiplied by AMP's scaler), and report the gradients divided by it.
+SCALE = 2.5
 RUNS = [(f, s) for f in ("torch", "jax") for s in STRATEGIES]
 
 
@@ -73,8 +76,8 @@ def run_torch(p, options, tokens, strategy, device=None, layouts=None, tuning=SM
     loss = torch_impl.linear_policy_loss(x, W, y, linear_bias=b, weight_layout=p.weight_layout, strategy=strategy,
                                          tuning=tuning, **options, **tok)
     assert loss.dtype == (torch.float64 if p.dtype == "float64" else torch.float32) and loss.shape == ()
-    grads = torch.autograd.grad(loss, [t for t in (x, W, b) if t is not None])
-    out = dict(zip(("grad_x", "grad_W", "grad_b"), grads), loss=loss)
+    grads = torch.autograd.grad(SCALE * loss, [t for t in (x, W, b) if t is not None])
+    out = dict(zip(("grad_x", "grad_W", "grad_b"), (g.double() / SCALE for g in grads)), loss=loss)
     return {k: v.detach().double().cpu().numpy() for k, v in out.items()}
 
 
@@ -93,8 +96,10 @@ def run_jax(p, options, tokens, strategy, jit=False, tuning=SMALL):
                                            weight_layout=p.weight_layout, strategy=strategy, tuning=tuning, **options,
                                            **tok)
 
-    grad = jax.value_and_grad(f, argnums=tuple(range(len(args))))
+    grad = jax.value_and_grad(lambda *a: SCALE * f(*a), argnums=tuple(range(len(args))))
     loss, grads = (jax.jit(grad) if jit else grad)(*args)
+    loss, grads = loss / SCALE, tuple(g.astype(jnp.float64 if p.dtype == "float64" else jnp.float32) / SCALE
+                                      for g in grads)
     assert loss.dtype == (jnp.float64 if p.dtype == "float64" else jnp.float32) and loss.shape == ()
     out = dict(zip(("grad_x", "grad_W", "grad_b"), grads), loss=loss)
     return {k: np.asarray(v.astype(jnp.float32 if p.dtype != "float64" else jnp.float64), np.float64)
@@ -269,6 +274,69 @@ def test_jax_under_jit_and_nan_for_a_bad_target():
     with pytest.raises(ValueError, match="target"):
         jax_impl.linear_policy_loss(*args)
     assert np.isnan(float(jax.jit(jax_impl.linear_policy_loss)(*args)))
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_per_token_values_of_ignored_tokens_are_never_read(framework):
+    """NaN and inf in the advantages, old and reference log-probabilities and weights of
+    ignored tokens (anything may stand there) change neither the loss nor the gradients."""
+    p, options, tokens = _problem("weights-ignore", "float32")
+    ignored = p.y == options["ignore_index"]
+    poisoned = {k: np.where(ignored, bad, np.broadcast_to(v, p.y.shape))
+                for (k, v), bad in zip(tokens.items(), (np.nan, -np.inf, np.inf, np.nan))}
+    for strategy in STRATEGIES:
+        clean, dirty = run(framework, strategy, p, options, tokens), run(framework, strategy, p, options, poisoned)
+        for k in clean:
+            np.testing.assert_array_equal(dirty[k], clean[k], err_msg=f"{strategy}, {k}")
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_nan_in_a_per_token_input_is_a_nan_gradient(framework):
+    """A NaN old log-probability of a valid token makes the loss NaN and that token's
+    gradient NaN (as autograd of the formula gives), never a silently dropped token."""
+    p, options, tokens = _problem("clipped-kl", "float32")
+    row = int(np.flatnonzero(p.y.reshape(-1) != -100)[0])
+    tokens["old_log_probs"].reshape(-1)[row] = np.nan
+    for strategy in STRATEGIES:
+        got = run(framework, strategy, p, options, tokens)
+        assert np.isnan(got["loss"]) and np.isnan(got["grad_x"].reshape(-1, p.x.shape[-1])[row]).all(), strategy
+
+
+def test_torch_forms_no_gradient_where_none_is_asked(monkeypatch):
+    """Under torch.no_grad (an evaluation pass) "speed" computes the loss only: no gradient
+    is formed in the forward pass."""
+    import torch_impl
+    from torch_impl import log_probs
+
+    p, options, tokens = _problem("clipped-kl", "float32")
+    calls = []
+    original = log_probs.forward_with_grads
+    monkeypatch.setattr(log_probs, "forward_with_grads", lambda *a, **k: calls.append(1) or original(*a, **k))
+    x = torch.tensor(p.x, device=default_device(), requires_grad=True)
+    args = (x, torch.tensor(p.W, device=x.device, requires_grad=True), torch.tensor(p.y, device=x.device))
+    tok = {k: torch.tensor(v, dtype=torch.float32, device=x.device) for k, v in tokens.items()}
+    with torch.no_grad():
+        loss = torch_impl.linear_policy_loss(*args, strategy="speed", tuning=SMALL, **options, **tok)
+    assert not calls
+    np.testing.assert_allclose(float(loss), _reference(p, options, tokens).loss, rtol=1e-5)
+    torch_impl.linear_policy_loss(*args, strategy="speed", tuning=SMALL, **options, **tok)
+    assert calls
+
+
+def test_torch_per_token_tensors_changed_before_the_backward_pass_raise():
+    """A per-token tensor changed in place between the forward and the backward pass raises
+    (as for a saved input), rather than giving the gradient of other values."""
+    import torch_impl
+
+    p, options, tokens = _problem("clipped-kl", "float32")
+    x = torch.tensor(p.x, device=default_device(), requires_grad=True)
+    old = torch.tensor(tokens["old_log_probs"], dtype=torch.float32, device=x.device)
+    loss = torch_impl.linear_policy_loss(x, torch.tensor(p.W, device=x.device), torch.tensor(p.y, device=x.device),
+                                         torch.tensor(tokens["advantages"], device=x.device), old_log_probs=old,
+                                         ref_log_probs=old.clone(), strategy="memory", tuning=SMALL, beta=0.04)
+    old.fill_(-10.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])

@@ -87,28 +87,25 @@ def forward_with_grads(x_ND, W, b_V, y_N, o: LogProbsOptions, layout: str, plan:
     """(log-probabilities, entropy, dx, dW, db) with the gradients formed in the forward pass,
     for upstream gradients that each row's log-probability and entropy decide:
     upstream(rs, logp_R, entropy_R) -> (g_R, g_h_R or None) for the rows rs. Each row block's
-    statistics come first, then its dz: blocks of whole rows ("speed", "chunked") compute
-    their logits once (6 N D V flops in all), rows x columns blocks twice. active: int64
-    [A], the only rows of x computed (y_N, the outputs and rs are then over those [A]; the
-    other rows of dx are 0), or None."""
+    statistics come first, then its dz from the same logits: blocks of whole rows, one product
+    each (6 N D V flops in all). active: int64 [A], the only rows of x computed (y_N, the
+    outputs and rs are then over those [A]; the other rows of dx are 0), or None."""
     wide = compute_dtype(x_ND.dtype)
     blocks = _blocks(x_ND, W, b_V, layout, plan, ops, active)
+    assert blocks.whole_rows, "gradients in the forward pass need whole rows"
     valid, in_range = _target_rows(y_N, o, blocks.vocab)
     logp, entropy = (torch.empty(blocks.n_rows, dtype=wide, device=x_ND.device) for _ in range(2))
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
     for rs in blocks.row_blocks():
         running = _running(rs.stop - rs.start, wide, x_ND.device)
-        for v0, cols in blocks.col_blocks():
-            z = blocks.logits(rs, v0, cols)
-            ops.log_prob_stats_(z, v0, b_V, y_N[rs], running, o.softcap, 1.0 / o.temperature)
+        z = blocks.logits(rs, 0, blocks.vocab)
+        ops.log_prob_stats_(z, 0, b_V, y_N[rs], running, o.softcap, 1.0 / o.temperature)
         logp[rs], entropy[rs], lse = _outputs(running, valid[rs], in_range[rs])
         g, g_h = upstream(rs, logp[rs], entropy[rs])
         g, g_h = _upstream(g.to(wide), valid[rs], in_range[rs]), None if g_h is None else g_h.to(wide).contiguous()
         dx_out = dx_rows(blocks, dx, dx_acc, rs)
-        for v0, cols in blocks.col_blocks():
-            z = z if blocks.whole_rows else blocks.logits(rs, v0, cols)
-            dz = ops.log_prob_grad(z, v0, b_V, y_N[rs], lse, entropy[rs], g, g_h, o.softcap, 1.0 / o.temperature)
-            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+        dz = ops.log_prob_grad(z, 0, b_V, y_N[rs], lse, entropy[rs], g, g_h, o.softcap, 1.0 / o.temperature)
+        blocks.add_grads(dz, rs, 0, blocks.vocab, dx_out, dW, db)
         store_dx_rows(blocks, dx, dx_acc, dx_out, rs)
     z = dz = blocks = dx_acc = None
     return logp, entropy, dx, final_grad(dW, W), final_grad(db, b_V)

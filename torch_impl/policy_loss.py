@@ -17,7 +17,7 @@ import torch
 
 from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
-from interop.policy_loss import PolicyLossOptions, token_terms
+from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
 from interop.tuning import Tuning
 from torch_impl import log_probs
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
@@ -30,30 +30,29 @@ from torch_impl.rows import compute_dtype
 from torch_impl.steps import plan_steps
 
 SECOND_ORDER_MESSAGE = "logitless: linear_policy_loss gives first-order gradients only"
-TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight")
 
 
-def _terms(o: PolicyLossOptions, tokens: dict, rs, logp, entropy, valid):
-    """token_terms over rows rs of the per-token tensors (a dict of [N] or None)."""
-    at = {k: None if v is None else v[rs] for k, v in tokens.items()}
-    return token_terms(torch, o, logp, entropy, valid[rs], at["advantages"], at["old_log_probs"], at["ref_log_probs"],
-                       at["token_weight"])
+def _terms(o: PolicyLossOptions, tokens, rs, logp, entropy, valid):
+    """token_terms over rows rs of the per-token tensors ([N] each, or None; TOKEN_ARGUMENTS' order)."""
+    return token_terms(torch, o, logp, entropy, valid[rs], *(None if v is None else v[rs] for v in tokens))
 
 
 class LinearPolicyLoss(torch.autograd.Function):
-    """Over flattened rows x [N, D], W, bias, targets y [N] (int64), the per-token tensors
-    (a dict of [N] in the compute dtype, or None) and the options; returns the loss (0-d,
-    fp32, fp64 for fp64 inputs). With `active` (int64 [A]: the tokens not ignored) only those
-    rows are computed, and y and the per-token tensors are [A]. "speed" forms the gradients
-    in the forward pass and the first backward pass scales them; a later one (retain_graph)
-    recomputes."""
+    """Over flattened rows x [N, D], W, bias, targets y [N] (int64), the options and the
+    per-token tensors (TOKEN_ARGUMENTS' order, [N] in the compute dtype, or None); returns the
+    loss (0-d, fp32, fp64 for fp64 inputs). With `active` (int64 [A]: the tokens not ignored)
+    only those rows are computed, and y and the per-token tensors are [A]. With form_grads
+    (autograd records and an input needs a gradient), "speed" forms the gradients in the
+    forward pass and the first backward pass scales them; a later one (retain_graph)
+    recomputes. The per-token tensors are saved as the inputs are (changed in place before
+    the backward pass, they raise)."""
 
     @staticmethod
-    def forward(ctx, x_ND, W, b_V, y_N, tokens: dict, o: PolicyLossOptions, head: LogProbsOptions, layout: str,
-                plan: BlockPlan, ops, active):
+    def forward(ctx, x_ND, W, b_V, y_N, o: PolicyLossOptions, head: LogProbsOptions, layout: str, plan: BlockPlan, ops,
+                active, form_grads: bool, *tokens):
         need = ctx.needs_input_grad[:3]
         valid = y_N != head.ignore_index
-        in_forward = any(need) and plan.strategy == "speed"
+        in_forward = form_grads and any(need) and plan.strategy == "speed"
         if in_forward:
             upstream = lambda rs, logp, entropy: _terms(o, tokens, rs, logp, entropy, valid)[1:]
             logp, entropy, *grads = log_probs.forward_with_grads(x_ND, W, b_V, y_N, head, layout, plan, ops, upstream,
@@ -63,8 +62,8 @@ class LinearPolicyLoss(torch.autograd.Function):
             logp, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active)
             grads = None
         ctx.grads = grads
-        ctx.args = (tokens, o, head, layout, plan, ops, active)
-        ctx.save_for_backward(x_ND, W, b_V, y_N, logp, entropy, lse)
+        ctx.args = (o, head, layout, plan, ops, active)
+        ctx.save_for_backward(x_ND, W, b_V, y_N, logp, entropy, lse, *tokens)
         ctx.set_materialize_grads(False)
         return _terms(o, tokens, slice(None), logp, entropy, valid)[0].sum()
 
@@ -74,14 +73,14 @@ class LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_loss):
-        none = (None,) * 8
+        none = (None,) * (8 + len(TOKEN_ARGUMENTS))
         if grad_loss is None:
             return (None, None, None) + none
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
             return tuple(None if g is None else scale_(g, grad_loss) for g in grads) + none
-        x_ND, W, b_V, y_N, logp, entropy, lse = ctx.saved_tensors
-        tokens, o, head, layout, plan, ops, active = ctx.args
+        x_ND, W, b_V, y_N, logp, entropy, lse, *tokens = ctx.saved_tensors
+        o, head, layout, plan, ops, active = ctx.args
         _, g, g_h = _terms(o, tokens, slice(None), logp, entropy, y_N != head.ignore_index)
         g, g_h = g * grad_loss, None if g_h is None else g_h * grad_loss
         if lse is None:  # a later backward of "speed": the statistics again
@@ -100,7 +99,7 @@ def _per_token(name: str, t, shape, input, wide):
     if not t.is_floating_point():
         raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
     try:
-        return dense(torch.broadcast_to(t.to(wide), shape).reshape(-1))
+        return dense(torch.broadcast_to(t.detach().to(wide), shape).reshape(-1))
     except RuntimeError:
         raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the target's shape {tuple(shape)} "
                          "(a per-sequence advantage [B] of targets [B, T] is advantages[:, None])") from None
@@ -151,7 +150,9 @@ def linear_policy_loss(
         ref_log_probs: the reference policy's, needed when beta > 0.
         token_weight: w (target's shape), e.g. a mask over each sequence's length for GRPO's
             per-sequence mean; None: 1 / (the tokens not ignored, at least 1), a mean over
-            the batch's tokens (DAPO, TRL's "bnpo").
+            the call's tokens (DAPO, TRL's "bnpo"). Rows split over ranks or devices
+            (data parallel, shard_map) average their own tokens: for a mean over the global
+            batch pass 1 / its token count (as num_items_in_batch does for cross-entropy).
         epsilon_low, epsilon_high, beta, entropy_coef: as in the formula (each >= 0,
             epsilon_low < 1).
         linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
@@ -173,8 +174,7 @@ def linear_policy_loss(
     check_strategy(strategy)
     head = LogProbsOptions(temperature, softcap, ignore_index)
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
-    if o.beta and ref_log_probs is None:
-        raise ValueError(f"beta={o.beta} needs ref_log_probs (the reference policy's log-probabilities)")
+    o.check_references(ref_log_probs)
     shape = check_inputs(
         input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
         weight_dtype=dtype_of(linear_weight), target_shape=tuple(target.shape), target_dtype=dtype_of(target),
@@ -187,7 +187,7 @@ def linear_policy_loss(
     check_target_range(y_N, shape.vocab, head.ignore_index)
     valid = y_N != head.ignore_index
     if tokens["token_weight"] is None:
-        tokens["token_weight"] = valid.to(wide) / valid.sum().clamp(min=1)
+        tokens["token_weight"] = mean_weight(torch, valid, torch.zeros(valid.shape, dtype=wide, device=valid.device))
     x_ND = input.reshape(shape.n_rows, shape.hidden)
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab, tuning)
     rows = valid_rows_only(tuning, strategy, valid, shape.hidden, shape.vocab)
@@ -195,5 +195,9 @@ def linear_policy_loss(
         y_N, tokens = y_N[rows], {k: None if v is None else v[rows] for k, v in tokens.items()}
     plan, ops = plan_steps(tuning, strategy, y_N.shape[0], shape.hidden, shape.vocab, x_ND.dtype,
                            accumulate_in_input_dtype, gathered_rows=rows is not None)
-    return LinearPolicyLoss.apply(x_ND, linear_weight, dense(linear_bias), y_N, tokens, o, head, weight_layout, plan,
-                                  ops, rows)
+    # no gradient formed where none will be asked for (no_grad, inference_mode, no input
+    # that requires one): Function.forward always runs with autograd off, so it is told
+    form_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                  for t in (input, linear_weight, linear_bias))
+    return LinearPolicyLoss.apply(x_ND, linear_weight, dense(linear_bias), y_N, o, head, weight_layout, plan, ops, rows,
+                                  form_grads, *(tokens[k] for k in TOKEN_ARGUMENTS))

@@ -5,7 +5,7 @@ grad_weight is rounded once per row block, so fewer row blocks might err less; t
 fp32 grad_input accumulator takes the memory. Plans:
 
 - `halves`: interop.blocking.block_shape, the budget split in half between the accumulator
-  and the logits block (PyTorch's "memory", and JAX's log-probabilities before);
+  and the logits block (PyTorch's "memory"; JAX's distillation losses');
 - `rows-first`: the fewest row blocks that leave 4096 columns, spread evenly, the columns after;
 - `xla` (JAX): cross-entropy's `xla_memory_block_shape` (XLA's copies and workspace counted).
 
