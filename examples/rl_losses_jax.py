@@ -4,7 +4,8 @@
 
 The twin of examples/rl_losses_torch.py: the policy's per-token log-probabilities and
 entropy from `jax_impl.linear_log_probs`, fused with the head ([V, D] here; pass
-weight_layout="DV" for an nnx.Linear kernel), then per-token formulas. As a script it
+weight_layout="DV" for an nnx.Linear kernel), then per-token formulas; GRPO also as one
+call, `jax_impl.linear_policy_loss` (`grpo_in_one_call`). As a script it
 computes both losses and their gradients twice, fused and from materialised logits, and
 prints the largest differences.
 """
@@ -60,6 +61,16 @@ def both_losses(log_probs_fn, hidden, head, batch):
             dpo_loss(logp[:half], logp[half:], ref[:half].sum(1), ref[half:].sum(1)))
 
 
+def grpo_in_one_call(hidden, head, batch):
+    """`grpo_loss` as one call: each sequence's tokens weighted 1 / (its length x B) for the
+    mean over each sequence and then over sequences; the gradients formed in the forward pass."""
+    ids, mask, old, ref, adv = batch
+    weight = mask / jnp.maximum(mask.sum(1, keepdims=True), 1) / ids.shape[0]
+    return jax_impl.linear_policy_loss(hidden, head, jnp.where(mask, ids, -100), adv[:, None], old_log_probs=old,
+                                       ref_log_probs=ref, token_weight=weight, beta=0.04, entropy_coef=0.01,
+                                       temperature=0.9)
+
+
 def differences(seed: int = 0, B: int = 4, T: int = 16, D: int = 32, V: int = 1000) -> dict:
     """The largest absolute differences between the fused and the materialised recipes: each
     loss and its gradients with respect to the hidden states and the head."""
@@ -78,6 +89,12 @@ def differences(seed: int = 0, B: int = 4, T: int = 16, D: int = 32, V: int = 10
         out[name] = float(jnp.abs(fused - naive))
         out[f"{name} grad hidden"] = float(jnp.abs(got[0] - want[0]).max())
         out[f"{name} grad head"] = float(jnp.abs(got[1] - want[1]).max())
+    fused, got = jax.value_and_grad(grpo_in_one_call, argnums=(0, 1))(hidden, head, batch)
+    naive, want = jax.value_and_grad(lambda h, w: both_losses(naive_policy_log_probs, h, w, batch)[0],
+                                     argnums=(0, 1))(hidden, head)
+    out["grpo in one call"] = float(jnp.abs(fused - naive))
+    out["grpo in one call grad hidden"] = float(jnp.abs(got[0] - want[0]).max())
+    out["grpo in one call grad head"] = float(jnp.abs(got[1] - want[1]).max())
     return out
 
 

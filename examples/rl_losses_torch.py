@@ -4,7 +4,8 @@
 
 The policy's per-token log-probabilities (and entropy, for GRPO's bonus) come from
 `torch_impl.linear_log_probs`, fused with the head; the losses themselves are per-token
-formulas. Shapes: hidden [B, T, D] at the positions that predict the completion's tokens,
+formulas. GRPO's loss is also one call (`grpo_in_one_call`: `torch_impl.linear_policy_loss`),
+which forms the gradients in the forward pass (a quarter fewer flops than recomputing the logits). Shapes: hidden [B, T, D] at the positions that predict the completion's tokens,
 head [V, D], completion ids and mask [B, T]. As a script it computes both losses and their
 gradients twice, fused and from materialised logits, and prints the largest differences.
 """
@@ -62,6 +63,16 @@ def both_losses(log_probs_fn, hidden, head, batch):
     return grpo, dpo
 
 
+def grpo_in_one_call(hidden, head, batch):
+    """`grpo_loss` as one call: each sequence's tokens weighted 1 / (its length x B) for the
+    mean over each sequence and then over sequences; the gradients formed in the forward pass."""
+    ids, mask, old, ref, adv = batch
+    weight = mask / mask.sum(1, keepdim=True).clamp(min=1) / ids.shape[0]
+    return torch_impl.linear_policy_loss(hidden, head, ids.masked_fill(~mask, -100), adv[:, None], old_log_probs=old,
+                                         ref_log_probs=ref, token_weight=weight, beta=0.04, entropy_coef=0.01,
+                                         temperature=0.9)
+
+
 def differences(seed: int = 0, B: int = 4, T: int = 16, D: int = 32, V: int = 1000) -> dict:
     """The largest absolute differences between the fused and the materialised recipes: each
     loss and its gradients with respect to the hidden states and the head."""
@@ -82,6 +93,12 @@ def differences(seed: int = 0, B: int = 4, T: int = 16, D: int = 32, V: int = 10
         out[name] = float((fused - naive).abs().detach())
         out[f"{name} grad hidden"] = float((got[0] - want[0]).abs().max())
         out[f"{name} grad head"] = float((got[1] - want[1]).abs().max())
+    fused = grpo_in_one_call(hidden, head, batch)
+    naive = both_losses(naive_policy_log_probs, hidden, head, batch)[0]
+    got, want = torch.autograd.grad(fused, (hidden, head)), torch.autograd.grad(naive, (hidden, head))
+    out["grpo in one call"] = float((fused - naive).abs().detach())
+    out["grpo in one call grad hidden"] = float((got[0] - want[0]).abs().max())
+    out["grpo in one call grad head"] = float((got[1] - want[1]).abs().max())
     return out
 
 
