@@ -55,7 +55,7 @@ def _upstream(g, y_N, cfg: DistillConfig, wide):
     return jnp.where(valid, jnp.where(in_range, g.astype(wide), jnp.nan), 0)
 
 
-def _forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None):
+def forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None):
     """(log_probs, entropy, argmax, lse), per row; keep: bool [N], the only rows computed
     (`jax_impl.rows.row_loop`; the others' outputs are 0), or None."""
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
@@ -75,7 +75,7 @@ def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream,
     in blocks of whole rows (cfg.block_cols == V: one product per block, 6 N D V flops in
     all), for upstream gradients that each row's values decide: upstream(logp_R, entropy_R,
     per_row_R) -> (g_R, g_h_R or None), per_row a tuple of [N] arrays given by rows; keep:
-    as for `_forward` (the other rows' dx is 0)."""
+    as for `forward` (the other rows' dx is 0)."""
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
 
     def row_step(carry, xs):
@@ -100,11 +100,11 @@ def log_probs(x_ND, W, b_V, y_N, cfg: DistillConfig, with_entropy: bool):
     """(log_probs [N], entropy [N], argmax [N] int32) over flattened rows x [N, D] and int32
     targets y [N]; fp32 (fp64 for fp64 inputs). with_entropy: whether the entropy's upstream
     gradient is used."""
-    return _forward(x_ND, W, b_V, y_N, cfg)[:3]
+    return forward(x_ND, W, b_V, y_N, cfg)[:3]
 
 
 def _fwd(x_ND, W, b_V, y_N, cfg, with_entropy):
-    logp, entropy, argmax, lse = _forward(x_ND, W, b_V, y_N, cfg)
+    logp, entropy, argmax, lse = forward(x_ND, W, b_V, y_N, cfg)
     return (logp, entropy, argmax), (x_ND, W, b_V, y_N, lse, entropy)
 
 
@@ -116,7 +116,7 @@ def _bwd(cfg, with_entropy, res, cotangents):
 def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=None):
     """(dx, dW, db) for the upstream gradients of the log-probabilities and entropy ([N];
     g_H None when the entropy has none), recomputing the logits block by block; keep: as for
-    `_forward`."""
+    `forward`."""
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), lse.dtype
     g_lp = _upstream(g_lp, y_N, cfg, wide)
 
@@ -157,6 +157,21 @@ def plan(t: Tuning, o: LogProbsOptions, weight_layout, strategy, n_rows, hidden,
     return dataclasses.replace(cfg, block_rows=rows, block_cols=cols)
 
 
+def checked_call(input, linear_weight, target, linear_bias, o: LogProbsOptions, weight_layout, strategy, tuning):
+    """(input, linear_weight, target, linear_bias as arrays, their ProblemShape, the Tuning) of
+    a call on the policy head, or the error naming what is wrong (a target out of range too)."""
+    check_strategy(strategy)
+    tuning = check_tuning(tuning)
+    input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
+    target, linear_bias = as_array("target", target), maybe_array("linear_bias", linear_bias)
+    shape = check_inputs(
+        input_shape=input.shape, input_dtype=dtype_name(input), weight_shape=linear_weight.shape,
+        weight_dtype=dtype_name(linear_weight), target_shape=target.shape, target_dtype=dtype_name(target),
+        bias_shape=shape_of(linear_bias), bias_dtype=dtype_name(linear_bias), weight_layout=weight_layout)
+    check_target_range(target, shape.vocab, o.ignore_index)
+    return input, linear_weight, target, linear_bias, shape, tuning
+
+
 def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperature: float = 1.0,
                      softcap: float | None = None, ignore_index: int | None = -100, return_entropy: bool = False,
                      return_argmax: bool = False, weight_layout: str = "VD", strategy: str = "auto",
@@ -176,15 +191,8 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
         asked for: the entropy of every row, argmax int32 (the first of equal maxima).
     """
     o = LogProbsOptions(temperature, softcap, ignore_index)
-    check_strategy(strategy)
-    tuning = check_tuning(tuning)
-    input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
-    target, linear_bias = as_array("target", target), maybe_array("linear_bias", linear_bias)
-    shape = check_inputs(
-        input_shape=input.shape, input_dtype=dtype_name(input), weight_shape=linear_weight.shape,
-        weight_dtype=dtype_name(linear_weight), target_shape=target.shape, target_dtype=dtype_name(target),
-        bias_shape=shape_of(linear_bias), bias_dtype=dtype_name(linear_bias), weight_layout=weight_layout)
-    check_target_range(target, shape.vocab, o.ignore_index)
+    input, linear_weight, target, linear_bias, shape, tuning = checked_call(input, linear_weight, target, linear_bias, o,
+                                                                            weight_layout, strategy, tuning)
     n = shape.n_rows
     y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, o.ignore_index)
     platform = platform_of(input)

@@ -20,13 +20,11 @@ from jax.sharding import PartitionSpec as P
 
 from interop.blocking import skipping_pays
 from interop.log_probs import LogProbsOptions
-from interop.options import check_inputs, check_strategy, check_tuning
 from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
 from interop.tuning import Tuning
 from jax_impl.distill_blocked import DistillConfig
-from jax_impl.functional import (as_array, check_target_range, choose_strategy, dtype_name, maybe_array, platform_of,
-                                 shape_of)
-from jax_impl.log_probs import _forward, forward_with_grads, grads, plan
+from jax_impl.functional import as_array, choose_strategy, platform_of
+from jax_impl.log_probs import checked_call, forward, forward_with_grads, grads, plan
 from jax_impl.rows import compute_dtype, narrow_targets
 from jax_impl.sharding import on_mesh
 
@@ -47,7 +45,7 @@ def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLo
     """The loss (0-d, fp32; fp64 for fp64 inputs) over flattened rows x [N, D], int32 targets
     y [N] and the per-token arrays (a dict of [N] in the compute dtype; absent keys are None);
     skip: compute only the rows not ignored."""
-    logp, entropy, _, _ = _forward(x_ND, W, b_V, y_N, cfg, _keep(cfg, skip, y_N))
+    logp, entropy, _, _ = forward(x_ND, W, b_V, y_N, cfg, _keep(cfg, skip, y_N))
     return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum()
 
 
@@ -63,7 +61,7 @@ def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o, skip):
         logp, entropy, dx, dW, db = forward_with_grads(x_ND, W, b_V, y_N, (y_N,) + tuple(tokens.values()), cfg,
                                                        upstream, keep)
         return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((dx, dW, db), tokens)
-    logp, entropy, _, lse = _forward(x_ND, W, b_V, y_N, cfg, keep)
+    logp, entropy, _, lse = forward(x_ND, W, b_V, y_N, cfg, keep)
     return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((x_ND, W, b_V, y_N, logp, entropy, lse), tokens)
 
 
@@ -116,15 +114,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     head = LogProbsOptions(temperature, softcap, ignore_index)
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
     o.check_references(ref_log_probs)
-    check_strategy(strategy)
-    tuning = check_tuning(tuning)
-    input, linear_weight = as_array("input", input), as_array("linear_weight", linear_weight)
-    target, linear_bias = as_array("target", target), maybe_array("linear_bias", linear_bias)
-    shape = check_inputs(
-        input_shape=input.shape, input_dtype=dtype_name(input), weight_shape=linear_weight.shape,
-        weight_dtype=dtype_name(linear_weight), target_shape=target.shape, target_dtype=dtype_name(target),
-        bias_shape=shape_of(linear_bias), bias_dtype=dtype_name(linear_bias), weight_layout=weight_layout)
-    check_target_range(target, shape.vocab, head.ignore_index)
+    input, linear_weight, target, linear_bias, shape, tuning = checked_call(input, linear_weight, target, linear_bias,
+                                                                            head, weight_layout, strategy, tuning)
     n, wide = shape.n_rows, compute_dtype(input.dtype)
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                  token_weight=token_weight)

@@ -353,3 +353,21 @@ def cpu_implementations(tuning: Tuning = DEFAULT) -> dict:
     each with `tuning`."""
     adapters = [cls(s, tuning=tuning) for cls in (TorchAdapter, JaxAdapter) for s in ("chunked", "speed", "memory")]
     return {a.name: a for a in adapters}
+
+
+def materialised_policy(p, options: dict):
+    """The policy of problem p ([V, D] head) on its materialised float64 logits, with autograd:
+    (leaves [x, W, and b if any], u = softcap(z) / T, log p(target) (0 where ignored), the
+    entropy, valid [...]); options: linear_log_probs' temperature, softcap, ignore_index."""
+    import torch
+
+    x, W = torch.tensor(p.x, requires_grad=True), torch.tensor(p.W, requires_grad=True)
+    b = None if p.b is None else torch.tensor(p.b, requires_grad=True)
+    z = x @ W.T + (0 if b is None else b)
+    cap, T = options.get("softcap"), options.get("temperature", 1.0)
+    u = (z if cap is None else cap * torch.tanh(z / cap)) / T
+    logp_all = torch.log_softmax(u, -1)
+    y = torch.tensor(p.y)
+    valid = y != options.get("ignore_index", -100)
+    logp = torch.where(valid, logp_all.gather(-1, torch.where(valid, y, 0)[..., None])[..., 0], 0.0)
+    return [t for t in (x, W, b) if t is not None], u, logp, -(logp_all.exp() * logp_all).sum(-1), valid

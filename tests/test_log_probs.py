@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from interop.log_probs_reference import linear_log_probs_reference
-from tests.frameworks import SMALL, laid_out, make_problem, rel_err, seed_of, tolerance
+from tests.frameworks import SMALL, laid_out, make_problem, materialised_policy, rel_err, seed_of, tolerance
 from tests.frameworks import device as default_device
 
 # name -> (options, make_problem arguments, which upstream gradients: "both", "log_probs", "entropy")
@@ -117,18 +117,9 @@ def test_reference_matches_float64_autograd(case):
     """The reference's outputs and gradients equal float64 autograd of the naive formula."""
     p, options, g_lp, g_H = _problem(case, "float64")
     ref = _reference(p, options, g_lp, g_H)
-    x, W = torch.tensor(p.x, requires_grad=True), torch.tensor(p.W, requires_grad=True)
-    b = None if p.b is None else torch.tensor(p.b, requires_grad=True)
-    z = x @ W.T + (0 if b is None else b)
-    cap, T = options.get("softcap"), options.get("temperature", 1.0)
-    u = (z if cap is None else cap * torch.tanh(z / cap)) / T
-    logp_all = torch.log_softmax(u, -1)
-    y = torch.tensor(p.y)
-    valid = y != options.get("ignore_index", -100)
-    lp = torch.where(valid, logp_all.gather(-1, torch.where(valid, y, 0)[..., None])[..., 0], 0.0)
-    H = -(logp_all.exp() * logp_all).sum(-1)
+    leaves, u, lp, H, _ = materialised_policy(p, options)
     total = sum((out * torch.tensor(g)).sum() for out, g in ((lp, g_lp), (H, g_H)) if g is not None)
-    grads = torch.autograd.grad(total, [t for t in (x, W, b) if t is not None])
+    grads = torch.autograd.grad(total, leaves)
     np.testing.assert_allclose(ref.log_probs, lp.detach().numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(ref.entropy, H.detach().numpy(), rtol=1e-12, atol=1e-12)
     assert (ref.argmax == u.argmax(-1).numpy()).all()

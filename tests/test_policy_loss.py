@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from interop.log_probs_reference import linear_log_probs_reference, linear_policy_loss_reference
-from tests.frameworks import SMALL, laid_out, make_problem, rel_err, seed_of, tolerance
+from tests.frameworks import SMALL, laid_out, make_problem, materialised_policy, rel_err, seed_of, tolerance
 from tests.frameworks import device as default_device
 
 # name -> (loss options, make_problem arguments, per-token inputs: which of "old", "ref", "weight")
@@ -132,16 +132,7 @@ def test_reference_matches_float64_autograd(case):
     materialised logits (TRL's GRPO terms), and its tokens hit both clips."""
     p, options, tokens = _problem(case, "float64")
     ref = _reference(p, options, tokens)
-    x, W = torch.tensor(p.x, requires_grad=True), torch.tensor(p.W, requires_grad=True)
-    b = None if p.b is None else torch.tensor(p.b, requires_grad=True)
-    z = x @ W.T + (0 if b is None else b)
-    cap, T = options.get("softcap"), options.get("temperature", 1.0)
-    u = (z if cap is None else cap * torch.tanh(z / cap)) / T
-    logp_all = torch.log_softmax(u, -1)
-    y = torch.tensor(p.y)
-    valid = y != options.get("ignore_index", -100)
-    logp = logp_all.gather(-1, torch.where(valid, y, 0)[..., None])[..., 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    leaves, _, logp, entropy, valid = materialised_policy(p, options)
     tok = {k: torch.tensor(v) for k, v in tokens.items()}
     old = tok.get("old_log_probs", logp.detach())
     ratio = torch.exp(logp - old)
@@ -154,7 +145,7 @@ def test_reference_matches_float64_autograd(case):
     per_token = per_token - options.get("entropy_coef", 0.0) * entropy
     w = tok.get("token_weight", torch.full(ratio.shape, 1.0 / max(int(valid.sum()), 1), dtype=torch.float64))
     loss = torch.where(valid, w * per_token, 0.0).sum()
-    grads = torch.autograd.grad(loss, [t for t in (x, W, b) if t is not None])
+    grads = torch.autograd.grad(loss, leaves)
     np.testing.assert_allclose(ref.loss, loss.detach().numpy(), rtol=1e-12)
     for got, want in zip((ref.grad_input, ref.grad_weight, ref.grad_bias), grads):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-13)

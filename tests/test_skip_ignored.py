@@ -250,15 +250,15 @@ DISTILL_CASES = [key for key, (_, problem, *_) in distill_frameworks.CASES.items
 
 
 def check_distillation_skipping(monkeypatch, strategy, kind, name, dtype, device):
-    import torch_impl.distillation
+    import torch_impl.functional
 
-    found, rows_to_compute = [], torch_impl.distillation.rows_to_compute
+    found, rows_to_compute = [], torch_impl.functional.rows_to_compute
 
     def spy(*args):
         found.append(rows_to_compute(*args))
         return found[-1]
 
-    monkeypatch.setattr(torch_impl.distillation, "rows_to_compute", spy)
+    monkeypatch.setattr(torch_impl.functional, "rows_to_compute", spy)
     p, options, g, count, scale = distill_frameworks.case_inputs(kind, name, dtype)
     result = distill_frameworks.run("torch", strategy, p, options, g, count, device=device, tuning=SKIPPING)
     tol = tolerance(dtype, scale)
