@@ -281,6 +281,7 @@ assert not any(name.startswith("triton") for name in sys.modules if sys.modules[
 ids = torch.topk(torch.tensor(p.x @ p.W.T), 3).indices
 torch_impl.linear_topk_distillation(x, W, ids, torch.log_softmax(torch.randn(ids.shape), 1)).backward()
 torch_impl.linear_distillation(x, W, x.detach(), W.detach()).backward()
+torch_impl.linear_policy_loss(x, W, torch.tensor(p.y), 1.0, strategy="speed").backward()
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
 split = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, vocab_parallel=dist.group.WORLD)
 assert abs(float(split) - float(loss)) <= 1e-6 * abs(float(loss))

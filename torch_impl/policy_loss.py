@@ -25,7 +25,6 @@ from torch_impl.autograd import first_order_only
 from torch_impl.blocks import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl.functional import check_target_range, choose_strategy, valid_rows_only
-from torch_impl.kernels import scale_
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import plan_steps
 
@@ -76,7 +75,9 @@ class LinearPolicyLoss(torch.autograd.Function):
         none = (None,) * (8 + len(TOKEN_ARGUMENTS))
         if grad_loss is None:
             return (None, None, None) + none
-        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
+        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass (by the kernels)
+            from torch_impl.kernels import scale_
+
             grads, ctx.grads = ctx.grads, None
             return tuple(None if g is None else scale_(g, grad_loss) for g in grads) + none
         x_ND, W, b_V, y_N, logp, entropy, lse, *tokens = ctx.saved_tensors
