@@ -109,7 +109,7 @@ def main(argv=None):
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if gpu else torch.float32
-    methods = args.methods.split(",") if args.methods else [m for m in METHODS if m != "liger" or _has_liger()]
+    methods = args.methods.split(",") if args.methods else [m for m in METHODS if m != "liger" or measure.has_liger()]
     config = TINY if args.tiny else MODEL
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu",
@@ -122,14 +122,6 @@ def main(argv=None):
                 json.dump({"environment": env, "results": results}, f, indent=1)
 
     run(config, methods, args.rows, args.seq, dtype, device, args.repeat or (10 if gpu else 2), args.backend, save)
-
-
-def _has_liger() -> bool:
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@ the vocabulary across P ranks, beside PyTorch's `loss_parallel` over materialise
 
 Every rank holds the same N rows and V / P classes of the head (uneven when P does not
 divide V). Per shape and method: fwd+bwd ms (median, rank 0's clock after a barrier),
-each rank's peak memory beyond its inputs (GPUs), and the loss (the same for every method).
+each rank's peak memory beyond its inputs (GPUs), rank 0's floor (the bytes of its slice
+of grad_weight and of grad_input), and the loss (the same for every method).
+"one-gpu-speed" is the call without `vocab_parallel` (the whole head, one GPU): strong
+scaling's baseline, run at P = 1 only.
 `--weak` multiplies N by P (weak
 scaling: each rank's logits keep their size). NCCL on GPUs (keep NVLink multicast off:
 NCCL_NVLS_ENABLE=0), gloo on CPUs. Rank 0 writes the JSON (`--json`).
@@ -23,7 +26,10 @@ import torch.nn.functional as F
 
 from bench import measure
 
-METHODS = ("ours-speed", "ours-memory", "loss-parallel")
+METHODS = ("ours-speed", "ours-memory", "loss-parallel", "one-gpu-speed")
+# NVLink multicast off in every process of a run: on a shared host a program using it can put
+# every GPU of the host out of service (NCCL's NVLS, PyTorch's symmetric memory, NVSHMEM).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _grads(loss, x, W):
@@ -32,7 +38,8 @@ def _grads(loss, x, W):
 
 
 def _ours(strategy: str, group):
-    """fwd+bwd of this rank's slice through `vocab_parallel`: (loss, grad_x, grad_W)."""
+    """fwd+bwd of this rank's slice through `vocab_parallel=group` (None: the whole head, no
+    split): (loss, grad_x, grad_W)."""
     import torch_impl
 
     def step(x, W, y):
@@ -73,8 +80,13 @@ def run(shapes, methods, dtype, repeat: int, weak: bool) -> list[dict]:
         W = W_full.tensor_split(world)[rank].contiguous()
         del W_full
         for mname in methods:
-            step = _loss_parallel(mesh, v) if mname == "loss-parallel" else _ours(mname.removeprefix("ours-"), group)
-            row = {"shape": name, "N": n, "D": d, "V": v, "P": world, "method": mname}
+            if mname.startswith("one-gpu") and world > 1:
+                continue  # the whole head on one GPU: strong scaling's baseline, measured at P = 1
+            strategy = mname.rsplit("-", 1)[1]
+            step = (_loss_parallel(mesh, v) if mname == "loss-parallel"
+                    else _ours(strategy, None if mname.startswith("one-gpu") else group))
+            row = {"shape": name, "N": n, "D": d, "V": v, "P": world, "method": mname,
+                   "local_floor_mib": (x.numel() + W.numel()) * x.element_size() / 2**20}
             # An error on one rank (out of memory) would leave the others in a collective: it
             # ends the run (torchrun stops every rank).
             dist.barrier()
@@ -123,10 +135,14 @@ def on_ranks(body, json_path: str | None, **environment) -> None:
     body(gpu, dtype) -> a dict that rank 0 writes to json_path with the run's environment
     (date, torch, ranks, device, dtype, and `environment`'s entries); then the process ends
     (`leave`)."""
+    os.environ.update(NO_MULTICAST)
     gpu = torch.cuda.is_available()
     if gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if gpu else "gloo")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)  # bound to its GPU: NCCL need not guess
+    else:
+        dist.init_process_group("gloo")
     try:
         dtype = torch.bfloat16 if gpu else torch.float32
         record = body(gpu, dtype)

@@ -1,6 +1,7 @@
 """`torchrun --nproc-per-node P -m bench.fsdp_model`: a training step of a Llama-like Hugging
 Face model under FSDP2 (or, with `--head tp`, its head split by tensor parallelism), patched
-(`torch_impl.transformers.patch_causal_lm`) and unpatched.
+(`torch_impl.transformers.patch_causal_lm`), unpatched, and with Liger's patch (where
+liger-kernel imports; its Triton kernels need a GPU).
 
 The model is built from a config (random weights, no download): by default a Llama-3 head
 (V 128256, D 2048) on 4 decoder layers, in bf16. FSDP2 wraps each decoder layer and the model,
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from bench import measure
 from bench.distributed import on_ranks
 
-METHODS = ("transformers", "ours")
+METHODS = ("transformers", "ours", "liger")
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192)
 TINY = dict(vocab_size=1001, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -45,6 +46,10 @@ def build(config: dict, method: str, mesh, dtype, device, head: str = "fsdp"):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(device=device, dtype=dtype).train()
     if method == "ours":
         patch_causal_lm(model)
+    elif method == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
     if head == "tp":
         parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
         return model
@@ -105,7 +110,7 @@ def main(argv=None):
     """One rank's run; it ends the process (`bench.distributed.on_ranks`), never returning."""
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node P -m bench.fsdp_model",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=None, help=f"default {','.join(METHODS)} (liger where it runs)")
     parser.add_argument("--rows", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU runs)")
@@ -116,9 +121,10 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
     config = TINY if args.tiny else MODEL
+    methods = args.methods.split(",") if args.methods else [m for m in METHODS if m != "liger" or measure.has_liger()]
 
     def body(gpu: bool, dtype):
-        return {"results": run(config, args.methods.split(","), args.rows, args.seq, dtype,
+        return {"results": run(config, methods, args.rows, args.seq, dtype,
                                args.repeat or (10 if gpu else 2), args.head)}
 
     on_ranks(body, args.json, model=config)

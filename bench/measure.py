@@ -40,6 +40,15 @@ def make_inputs(n, d, v, dtype, device, ignore_frac=0.1, peaked=False, seed=0, z
     return x, W, y
 
 
+def has_liger() -> bool:
+    """Whether Liger's patch can run here: liger-kernel imports and a GPU runs its kernels."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
