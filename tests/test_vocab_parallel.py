@@ -160,17 +160,17 @@ def _dtensor_results(world: int, device: str) -> dict:
     x = distribute_tensor(torch.tensor(p.x, device=device), mesh, [Replicate()]).requires_grad_()
     W = distribute_tensor(torch.tensor(p.W, device=device), mesh, [Shard(0)]).requires_grad_()
     b = distribute_tensor(torch.tensor(p.b, device=device), mesh, [Shard(0)]).requires_grad_()
-    from torch_impl.stepped import SteppedLinearCrossEntropy
+    from torch_impl.function import KernelLinearCrossEntropy
 
-    groups, apply = [], SteppedLinearCrossEntropy.apply
-    SteppedLinearCrossEntropy.apply = lambda *a: groups.append(a[9]) or apply(*a)
+    splits, apply = [], KernelLinearCrossEntropy.apply
+    KernelLinearCrossEntropy.apply = lambda *a: splits.append(a[11]) or apply(*a)
     try:
         loss = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y, device=device), linear_bias=b, strategy="speed",
                                                tuning=SMALL)
     finally:
-        SteppedLinearCrossEntropy.apply = apply
+        KernelLinearCrossEntropy.apply = apply
     loss.backward()
-    assert len(groups) == 1 and groups[0] is not None, "the head was not split over the vocabulary"
+    assert len(splits) == 1 and splits[0] is not None, "the head was not split over the vocabulary"
     assert W.grad.placements == (Shard(0),) and x.grad.placements == (Replicate(),)
     return {"dtensor|loss": loss.detach().double().cpu().numpy(), "dtensor|grad_x": x.grad.to_local().double().cpu().numpy(),
             "dtensor|grad_W": W.grad.full_tensor().double().cpu().numpy(), "dtensor|grad_b": b.grad.full_tensor().double().cpu().numpy()}

@@ -21,6 +21,14 @@ Two strategies (`plan_blocks`):
   rows not written yet, so the first blocks are the largest.
 Either may compute only some rows (`active`: those whose target is not ignored, from
 `torch_impl.functional.rows_to_compute`), gathered block by block.
+
+With a `VocabSplit` (a head split over the vocabulary, `torch_impl.vocab_parallel`) each rank
+computes the blocks of its own classes, and each row block's statistics are combined over
+the ranks before its losses (and in blocks of whole rows its dz: "speed" still forms the
+gradients in the forward pass), a few floats per row; the ranks plan the same row blocks
+(for the largest rank's classes), so they make the same collectives. grad_input
+is summed over the ranks in fp32 (`VocabSplit.sum_grad_input`), so it is not kept in the
+logits' buffer ("memory" takes tiles), and no gradient is filtered.
 """
 
 from __future__ import annotations
@@ -34,20 +42,25 @@ from interop.options import CrossEntropyOptions
 from interop.tuning import Tuning
 from torch_impl.blocks import BlockPlan, HeadBlocks, addmm_, final_grad
 from torch_impl.kernels import FILTER_COLS, RowMath, TargetCheck, TileFilter, block_grad_, block_stats_
+from torch_impl.vocab_parallel import VocabSplit, combine_stats
 
 
 def plan_blocks(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype,
                 accumulate_in_input_dtype: bool, filter_eps: float | None = None, gathered_rows: bool = False,
-                n_all: int | None = None, forward_only: bool = False) -> BlockPlan:
+                n_all: int | None = None, forward_only: bool = False, split: bool = False) -> BlockPlan:
     """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
     n_rows: the rows computed, of n_all (default n_rows); gathered_rows: they are gathered
     from x (HeadBlocks.active); forward_only: the call takes no gradient ("speed" then
     takes larger blocks: interop.blocking.forward_only_rows). "memory" in blocks of whole
     rows (interop.blocking.whole_row_memory_scratch) accumulates grad_weight in the input
-    dtype and keeps the logits in a scratch after grad_input."""
+    dtype and keeps the logits in a scratch after grad_input. split: a head split over the
+    vocabulary (vocab: the largest rank's classes), whose grad_input is an fp32 sum over the
+    ranks and holds no scratch."""
     itemsize = dtype.itemsize
     n_all = n_rows if n_all is None else n_all
-    scratch = whole_row_memory_scratch(t, n_all, n_rows, hidden, vocab, itemsize, gathered_rows) if strategy == "memory" else None
+    scratch = None
+    if strategy == "memory" and not split:
+        scratch = whole_row_memory_scratch(t, n_all, n_rows, hidden, vocab, itemsize, gathered_rows)
     if scratch:
         return BlockPlan("memory", "rows", min(n_rows, scratch // vocab), vocab, dtype, filter_eps, scratch, t)
     rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
@@ -61,15 +74,42 @@ def plan_blocks(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, 
 
 
 class _Blocks(HeadBlocks):
-    """A cross-entropy call: the head's blocks plus the per-row math of its targets and options."""
+    """A cross-entropy call: the head's blocks plus the per-row math of its targets and options.
+    y and cw are the call's (global with a split); y_cols and cw_cols, what the block kernels
+    read: the targets as columns of this rank's classes and their class weights."""
 
     def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan,
-                 check: TargetCheck | None = None, active=None):
+                 check: TargetCheck | None = None, active=None, split: VocabSplit | None = None):
         super().__init__(x_ND, W, b_V, weight_layout, plan, active=active)
-        self.opts = opts
+        self.opts, self.split = opts, split
         self.cw = None if cw_V is None else cw_V.float()
         self.y = self.active_rows(y_N.to(torch.int64))
-        self.rows = RowMath(self.y, self.cw, opts, self.vocab, check)
+        self.rows = RowMath(self.y, self.cw, opts, self.vocab if split is None else split.vocab, check)
+        self.y_cols, self.cw_cols = (self.y, self.cw) if split is None else split.columns(self.y, self.cw, self.vocab)
+
+    def losses_(self, m, l, sy, ws, rs: slice, lse_R, loss_R) -> None:
+        """lse and the row losses of rows rs from this rank's statistics (fp32 [R] each),
+        combined over the split's ranks first."""
+        if self.split is not None:
+            (lse,), (sy, ws) = combine_stats([(m, l)], [sy, ws], self.split.group)
+            m, l = lse, torch.ones_like(lse)  # m + log(l) is then the combined lse itself
+        self.rows.losses_(m, l, sy, ws, rs, lse_R, loss_R)
+
+    def row_terms_(self, z, b_V, rs: slice, lse_R, loss_R, grad: bool, tile_filter: TileFilter | None) -> None:
+        """Whole rows rs of logits z [R, V_r]: lse and the row losses, and with `grad` dz in
+        place for an upstream gradient of 1 (`RowMath.rows_`: one kernel). With a split, the
+        rank's statistics, combined over the ranks, then dz (two kernels)."""
+        if self.split is None:
+            self.rows.rows_(z, b_V, rs, lse_R, loss_R, grad=grad, tile_filter=tile_filter)
+            return
+        R, dev, o = z.shape[0], z.device, self.opts
+        m = torch.full((R,), -math.inf, dtype=torch.float32, device=dev)
+        l, sy, ws = (torch.zeros(R, dtype=torch.float32, device=dev) for _ in range(3))
+        block_stats_(z, 0, b_V, self.cw_cols, self.y_cols[rs], m, l, sy, ws, o.softcap, o.label_smoothing > 0)
+        self.losses_(m, l, sy, ws, rs, lse_R, loss_R)
+        if grad:
+            p_R, t_R, s_R = self.rows.coefficients(lse_R, torch.ones((), dtype=torch.float32, device=dev), None, rs)
+            block_grad_(z, z, 0, b_V, self.cw_cols, self.y_cols[rs], lse_R, p_R, t_R, s_R, o.softcap)
 
     def tile_filter(self, rs: slice) -> TileFilter | None:
         """A fresh TileFilter for the whole rows rs when the plan filters, else None."""
@@ -117,24 +157,26 @@ class _Blocks(HeadBlocks):
             db.index_add_(0, y, target.to(db.dtype))
 
 
-def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False),
-            check: TargetCheck | None = None, active=None):
+def forward(x, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False),
+            check: TargetCheck | None = None, active=None, split: VocabSplit | None = None):
     """Loss (reduced, or [N] for "none"), lse (fp32, [N], or [A] over `active`) and, if any of
     grads_now = (x, W, b) is set, those gradients for an upstream gradient of 1 (else None):
-    (loss, lse, dx, dW, db). check: the call's TargetCheck over all of y (launched here, after
-    the first logits product), or None to check y here. active: int64 [A], the only rows
-    computed (HeadBlocks), or None."""
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, check, active)
+    (loss, lse, dx, dW, db). x: the rows [N, D] (with a split's sequence parallel, this rank's
+    part of them). check: the call's TargetCheck over all of y (launched here, after the first
+    logits product), or None to check y here. active: int64 [A], the only rows computed
+    (HeadBlocks), or None. split: this rank's place in a head split over the vocabulary."""
+    x_ND = x if split is None else split.whole_rows(x)
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, check, active, split)
     n, dev = blocks.n_rows, x_ND.device
     lse, loss = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
     in_forward = any(grads_now)
     assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
-    dx, _, dW, db = blocks.gradient_buffers(*grads_now)
-    if blocks.whole_rows:  # statistics, losses and dz in one kernel per row block
+    dx, _, dW, db = blocks.gradient_buffers(*grads_now, wide_dx=split is not None)
+    if blocks.whole_rows:  # statistics, losses and dz per row block
         for rs in blocks.row_blocks():
             z = blocks.logits(rs, 0, blocks.vocab)
             f = blocks.tile_filter(rs) if in_forward else None
-            blocks.rows.rows_(z, b_V, rs, lse[rs], loss[rs], grad=in_forward, tile_filter=f)
+            blocks.row_terms_(z, b_V, rs, lse[rs], loss[rs], grad=in_forward, tile_filter=f)
             dx_R = None if dx is None else blocks.dx_rows(dx, rs)
             if f is not None:
                 blocks.add_filtered_grads(z, rs, f, dx_R, dW, db)
@@ -149,38 +191,43 @@ def forward(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads
         l, sy, ws = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
         for rs in blocks.row_blocks():
             for v0, cols in blocks.col_blocks():
-                block_stats_(blocks.logits(rs, v0, cols), v0, b_V, blocks.cw, blocks.y[rs], m[rs], l[rs], sy[rs], ws[rs],
-                             opts.softcap, opts.label_smoothing > 0)
-            blocks.rows.losses_(m[rs], l[rs], sy[rs], ws[rs], rs, lse[rs], loss[rs])
+                block_stats_(blocks.logits(rs, v0, cols), v0, b_V, blocks.cw_cols, blocks.y_cols[rs], m[rs], l[rs],
+                             sy[rs], ws[rs], opts.softcap, opts.label_smoothing > 0)
+            blocks.losses_(m[rs], l[rs], sy[rs], ws[rs], rs, lse[rs], loss[rs])
     loss = blocks.rows.reduce(blocks.all_rows(loss) if opts.reduction == "none" else loss)
     z = blocks = None  # the logits buffer goes before dW's conversion allocates its result
+    if dx is not None and split is not None:
+        dx = split.sum_grad_input(dx, x)
     return loss, lse, dx, final_grad(dW, W), final_grad(db, b_V)
 
 
-def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True),
-             check: TargetCheck | None = None, active=None):
+def backward(grad_loss, grad_lse, x, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True),
+             check: TargetCheck | None = None, active=None, split: VocabSplit | None = None):
     """(dx, dW, db) by recomputing the logits block by block; None for what is not needed.
-    grad_loss: 0-d, or [N] for "none"; grad_lse [N] or None; lse as `forward` gave it."""
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, check, active)
+    grad_loss: 0-d, or [N] for "none"; grad_lse [N] or None; lse as `forward` gave it; the
+    other arguments as `forward`'s."""
+    x_ND = x if split is None else split.whole_rows(x)
+    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, check, active, split)
     if grad_loss is None:
         grad_loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
     elif grad_loss.ndim:
         grad_loss = blocks.active_rows(grad_loss)
     if grad_lse is not None:
         grad_lse = blocks.active_rows(grad_lse)
-    dx, dx_acc, dW, db = blocks.gradient_buffers(*need)
+    dx, dx_acc, dW, db = blocks.gradient_buffers(*need, wide_dx=split is not None)
+    y, cw = blocks.y_cols, blocks.cw_cols
     for rs in blocks.row_blocks():
         p_R, t_R, s_R = blocks.rows.coefficients(lse[rs], grad_loss, None if grad_lse is None else grad_lse[rs], rs)
         f = blocks.tile_filter(rs)
         dx_R = None if dx is None or dx_acc is not None else blocks.dx_rows(dx, rs)
         if f is not None:
             dz = blocks.logits(rs, 0, blocks.vocab)
-            block_grad_(dz, dz, 0, b_V, blocks.cw, blocks.y[rs], lse[rs], p_R, t_R, s_R, opts.softcap, tile_filter=f)
+            block_grad_(dz, dz, 0, b_V, cw, y[rs], lse[rs], p_R, t_R, s_R, opts.softcap, tile_filter=f)
             blocks.add_filtered_grads(dz, rs, f, dx_R, dW, db)
         else:
             for v0, cols in blocks.col_blocks():
                 dz = blocks.logits(rs, v0, cols)
-                block_grad_(dz, dz, v0, b_V, blocks.cw, blocks.y[rs], lse[rs], p_R, t_R, s_R, opts.softcap)
+                block_grad_(dz, dz, v0, b_V, cw, y[rs], lse[rs], p_R, t_R, s_R, opts.softcap)
                 dx_out = dx_R if dx_acc is None else dx_acc[: rs.stop - rs.start]
                 blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
             if dx_acc is not None:
@@ -191,6 +238,8 @@ def backward(grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, opts, weight_lay
     if dx is not None:
         blocks.zero_skipped_dx_rows(dx)
     dz = blocks = dx_acc = None  # the logits buffer goes before dW's conversion allocates its result
+    if dx is not None and split is not None:
+        dx = split.sum_grad_input(dx, x)
     return dx, final_grad(dW, W), final_grad(db, b_V)
 
 

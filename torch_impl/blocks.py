@@ -285,8 +285,8 @@ class HeadBlocks:
         if dx_out is not None:
             W_c = self.head_cols(v0, cols)
             dz_in = dz.to(W_c.dtype)
-            if dx_accumulate:
-                addmm_(dx_out, dz_in, W_c)
+            if dx_accumulate or dx_out.dtype != dz_in.dtype:  # an fp32 dx of a 16-bit head: cuBLAS adds in fp32
+                addmm_(dx_out, dz_in, W_c, beta=1.0 if dx_accumulate else 0.0)
             else:
                 torch.mm(dz_in, W_c, out=dx_out)
         if dW is not None:
@@ -294,14 +294,17 @@ class HeadBlocks:
         if db is not None:
             db[v0 : v0 + cols] += dz.sum(0, dtype=db.dtype)
 
-    def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool):
-        """(dx [N, D] in x's dtype, fp32 [R, D] accumulator when rows span several column
-        blocks, dW a WeightGrad in the plan's accumulation dtype, db fp32 [V]; fp64 for fp64
-        inputs). Filtering adds dW in parts: it keeps the plan's accumulator. With the plan's
-        scratch, dx heads the logits' buffer (without dx, a buffer of plan.block_rows rows)."""
+    def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool, wide_dx: bool = False):
+        """(dx [N, D] in x's dtype (fp32 with wide_dx), fp32 [R, D] accumulator when rows
+        span several column blocks, dW a WeightGrad in the plan's accumulation dtype, db fp32
+        [V]; fp64 for fp64 inputs). Filtering adds dW in parts: it keeps the plan's
+        accumulator. With the plan's scratch, dx heads the logits' buffer (without dx, a
+        buffer of plan.block_rows rows)."""
         x, W = self.x, self.W
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if self.plan.grad_input_scratch and need_x:
+        if wide_dx and need_x:
+            dx = (torch.empty if self.active is None else torch.zeros)(x.shape, dtype=wide, device=x.device)
+        elif self.plan.grad_input_scratch and need_x:
             dx = self._grad_input_with_scratch()
         elif self.plan.grad_input_scratch:
             dx, self.buffer = None, self._new_buffer(self.plan.block_rows)

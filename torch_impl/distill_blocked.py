@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
 from torch_impl.blocks import HeadBlocks, final_grad
-from torch_impl.stepped import combine_stats
+from torch_impl.vocab_parallel import combine_stats
 from torch_impl.autograd import first_order_only
 from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
 from torch_impl.rows import compute_dtype

@@ -8,7 +8,7 @@ import copy
 import torch
 
 from interop.distillation import TopKDistillationOptions
-from torch_impl.stepped import local_targets
+from torch_impl.vocab_parallel import local_targets
 
 
 def valid_rows(n_rows: int, target_N, row_mask_N, ignore_index: int, device) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch_impl.steps import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
 from torch_impl.functional import choose_strategy, head_slice, valid_rows_only
 from torch_impl.rows import compute_dtype
-from torch_impl.stepped import local_targets
+from torch_impl.vocab_parallel import local_targets
 
 
 def _all_rows(loss_A, rows, n: int):
@@ -111,7 +111,8 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
         input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
         renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction, ignore_index, softcap,
         weight_layout, strategy)
-    first, V = (0, None) if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked()[1], input.device)
+    split = None if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked()[1], input.device)
+    first, V = (0, None) if split is None else (split.first, split.vocab)
     o, shape = checked()
     n, V, dev = shape.n_rows, V or shape.vocab, input.device
     ids = dense(teacher_ids.reshape(n, shape.k).to(torch.int64))

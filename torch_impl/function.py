@@ -14,6 +14,8 @@ from torch_impl.kernels import TargetCheck, scale_
 class KernelLinearCrossEntropy(torch.autograd.Function):
     """Over flattened rows x [N, D], y [N]; returns (reduced loss, lse [N]), both fp32. With
     `active` (int64 [A]: the rows not ignored) only those rows are computed and lse is [A].
+    With `split` (`torch_impl.vocab_parallel.VocabSplit`), W is this rank's slice of a head
+    split over the vocabulary (and with sequence parallel x its part of the rows).
 
     When the loss is reduced, no lse is returned and some input needs a gradient, the
     plan in blocks of whole rows computes the gradients in the forward pass and the first backward pass
@@ -30,14 +32,14 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, W, b_V, cw_V, y_N, opts, weight_layout: str, plan: BlockPlan, return_lse: bool,
-                check: TargetCheck, active=None):
+                check: TargetCheck, active=None, split=None):
         need = ctx.needs_input_grad[:3]
         in_forward = any(need) and plan.layout == "rows" and opts.reduction != "none" and not return_lse
         loss, lse, dx, dW, db = blocked.forward(
             x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, need if in_forward else (False, False, False), check,
-            active,
+            active, split,
         )
-        ctx.opts, ctx.weight_layout, ctx.plan, ctx.check = opts, weight_layout, plan, check
+        ctx.opts, ctx.weight_layout, ctx.plan, ctx.check, ctx.split = opts, weight_layout, plan, check, split
         ctx.grads = (dx, dW, db) if in_forward else None
         ctx.save_for_backward(x_ND, W, b_V, cw_V, y_N, lse, active)
         ctx.set_materialize_grads(False)
@@ -49,7 +51,7 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_loss, grad_lse):
-        none = (None,) * 8
+        none = (None,) * 9
         if grad_loss is None and grad_lse is None:
             return (None, None, None) + none
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
@@ -61,6 +63,6 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
         x_ND, W, b_V, cw_V, y_N, lse, active = ctx.saved_tensors
         grads = blocked.backward(
             grad_loss, grad_lse, x_ND, W, b_V, cw_V, y_N, lse, ctx.opts, ctx.weight_layout, ctx.plan,
-            ctx.needs_input_grad[:3], ctx.check, active,
+            ctx.needs_input_grad[:3], ctx.check, active, ctx.split,
         )
         return tuple(grads) + none

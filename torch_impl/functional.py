@@ -55,8 +55,8 @@ def valid_rows_only(t: Tuning, strategy: str, valid_N: torch.Tensor, hidden: int
     return rows_to_compute(valid_N)
 
 
-def head_slice(group, check_local, device) -> tuple[int, int]:
-    """(this rank's first class, V of the whole head) of a head split over `group`, after
+def head_slice(group, check_local, device):
+    """This rank's `torch_impl.vocab_parallel.VocabSplit` of a head split over `group`, after
     every rank's own checks (`check_local`: the ProblemShape of this rank's arguments, or
     their error), which every rank learns of (`torch_impl.vocab_parallel.vocab_slice`)."""
     if parallel is None:
@@ -264,23 +264,26 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         weight_layout=weight_layout,
         classes=classes,
     )
-    first, classes = (0, None) if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked(None, None),
-                                                                                   input.device)
-    shape = checked(weight, classes)
-    # with sequence parallel, the rank's part of the rows: the block steps gather them
+    split = None
+    if vocab_parallel is not None:
+        split = head_slice(vocab_parallel, lambda: checked(None, None), input.device).with_rows_dim(rows_dim)
+    shape = checked(weight, None if split is None else split.vocab)
+    # with sequence parallel, the rank's part of the rows: the split's loops gather them
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input
     y_N = dense(target.reshape(shape.n_rows))
     linear_bias, weight = dense(linear_bias), dense(weight)
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
-    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, local_vocab, tuning)
-    if vocab_parallel is not None or strategy == "chunked":  # block steps: the fallback, or the split head
+    # the classes a rank plans its blocks for: the whole head's, or the largest rank's slice
+    # (the ranks then plan the same blocks and make the same collectives)
+    plan_vocab = shape.vocab if split is None else split.largest
+    chosen = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning)
+    strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x_ND.device)
+    if strategy == "chunked":  # block steps: the fallback
         check_target_range(y_N, shape.vocab, opts.ignore_index)
         plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
                                accumulate_in_input_dtype)
         loss, lse_N = SteppedLinearCrossEntropy.apply(
-            x_ND, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts, weight_layout, plan, ops,
-            vocab_parallel, first, shape.vocab, rows_dim,
-        )
+            x_ND, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts, weight_layout, plan, ops, split)
     else:
         # The kernels read out-of-range targets safely (NaN rows), so the work is queued before
         # the host looks at the bad-target count: the check runs behind the first logits
@@ -291,11 +294,12 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_ND, linear_weight, linear_bias))
-        plan = blocked.plan_blocks(tuning, strategy, n_active, shape.hidden, shape.vocab, x_ND.dtype, accumulate_in_input_dtype,
-                                   filter_eps, gathered_rows=active is not None, n_all=shape.n_rows,
-                                   forward_only=not needs_grad)
+        plan = blocked.plan_blocks(tuning, strategy, n_active, shape.hidden, plan_vocab, x_ND.dtype,
+                                   accumulate_in_input_dtype, filter_eps if split is None else None,
+                                   gathered_rows=active is not None, n_all=shape.n_rows, forward_only=not needs_grad,
+                                   split=split is not None)
         loss, lse_N = KernelLinearCrossEntropy.apply(
-            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, check, active
+            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, check, active, split
         )
         if check.bad_count():
             check_target_range(y_N, shape.vocab, opts.ignore_index)

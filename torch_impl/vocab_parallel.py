@@ -1,25 +1,23 @@
-"""Cross-entropy of a head split over the vocabulary across the ranks of a process group.
+"""A linear head split over the vocabulary across the ranks of a process group.
 
 Rank r holds the classes [a_r, a_r + V_r) of the head (its rows of W in "VD", its columns in
 "DV", its part of the bias), contiguous and in the group's rank order; the slices may be
-uneven. Every rank has the same rows x and the same global targets. Per block of logits a
-rank reduces its own columns to per-row statistics (running max m, sum of exponentials l,
+uneven. Every rank has the same rows x and the same global targets. A rank reduces its own
+columns of each block of logits to per-row statistics (running max m, sum of exponentials l,
 the target's logit where the target is one of its classes, the class-weighted sum of the
-logits for label smoothing); the ranks then combine them (one all-reduce MAX and one
-all-reduce SUM of four floats per row: never logits) into the global lse, from which each
-rank forms dz on its own columns in the backward pass, recomputing its logits. Each rank
-gets its slice of grad_weight and grad_bias, and the full grad_input (one all-reduce SUM of
-[N, D] in fp32, or with sequence parallel a reduce-scatter of it over the rows: see
-`torch_impl.stepped.gather_rows`). Class weights are the full [V] vector on every rank. Every rank makes the
-same collectives in the same order whatever its arguments (`vocab_slice` checks them all
-first), so a bad argument on one rank raises on every rank instead of leaving the others
-waiting.
+logits for label smoothing); the ranks then combine them (`combine_stats`: one all-reduce
+MAX and one all-reduce SUM of four floats per row, never logits) into the global lse, from
+which each rank forms dz on its own columns. Each rank gets its slice of grad_weight and
+grad_bias, and the full grad_input (one all-reduce SUM of [N, D] in fp32, or with sequence
+parallel a reduce-scatter of it over the rows: `VocabSplit.sum_grad_input`). Class weights
+are the full [V] vector on every rank. Every rank makes the same collectives in the same
+order whatever its arguments (`vocab_slice` checks them all first), so a bad argument on
+one rank raises on every rank instead of leaving the others waiting.
 
-The loss runs as cross-entropy's fallback does (`torch_impl.stepped`: the blocks of
-`torch_impl.blocks.HeadBlocks`, the steps of `torch_impl.steps`, Triton kernels where they
-run, PyTorch ops elsewhere), with the ranks' statistics combined. As Megatron's and
-PyTorch's `loss_parallel`, the forward pass only computes statistics and the backward pass
-recomputes the logits (8 N D V / P flops per rank).
+The losses run this as a mode of their usual paths: cross-entropy's kernel path
+(`torch_impl.blocked`: with "speed" the gradients formed in the forward pass, 6 N D V / P
+flops per rank) and its fallback (`torch_impl.stepped`), the distillation losses' block
+loops. `VocabSplit` is what those loops need of the split.
 
 A DTensor head sharded on its vocabulary dimension over a 1-D mesh (what ColwiseParallel
 makes), with an input replicated on that mesh, runs here too: its local slice and the mesh's
@@ -30,6 +28,8 @@ split across ranks) is gathered once per call (`local_operands`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -39,8 +39,113 @@ try:
 except ImportError:  # torch < 2.5: the same classes under their former module
     from torch.distributed._tensor import DTensor, Partial, Replicate, Shard
 
-def vocab_slice(group, local_vocab: int, hidden: int, n_rows: int, device, problem: Exception | None) -> tuple[int, int]:
-    """(first class of this rank's slice, V of the whole head), from the ranks' slice sizes
+
+@dataclasses.dataclass(frozen=True)
+class VocabSplit:
+    """This rank's place in a head split over `group`: its first class, V of the whole head,
+    the largest rank's class count (every rank plans its blocks for that many classes, so
+    that all make the same collectives), and with sequence parallel the input's dimension
+    that the ranks split (rows_dim; None: every rank has all rows)."""
+
+    group: dist.ProcessGroup
+    first: int
+    vocab: int
+    largest: int
+    rows_dim: int | None = None
+
+    def with_rows_dim(self, rows_dim: int | None) -> "VocabSplit":
+        return dataclasses.replace(self, rows_dim=rows_dim)
+
+    def common_strategy(self, strategy: str, device) -> str:
+        """The kernel strategy every rank runs: "memory" where any rank's "auto" chose it (a
+        rank's free memory is its own; the strategies differ in their collectives)."""
+        if strategy not in ("speed", "memory"):
+            return strategy
+        flag = torch.tensor([strategy == "memory"], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return "memory" if flag.item() else "speed"
+
+    def whole_rows(self, x) -> torch.Tensor:
+        """The flattened rows [N, D]: x itself (already [N, D]) without sequence parallel,
+        else every rank's part of x gathered along rows_dim (`gather_rows`)."""
+        if self.rows_dim is None:
+            return x
+        return gather_rows(x, self.group, self.rows_dim).reshape(-1, x.shape[-1])
+
+    def columns(self, y_N, cw_V, local_vocab: int):
+        """(targets as this rank's columns, `local_targets`; its class weights [V_r] or None)."""
+        cw = None if cw_V is None else cw_V[self.first : self.first + local_vocab]
+        return local_targets(y_N, self.first, local_vocab), cw
+
+    def sum_grad_input(self, dx_ND, x) -> torch.Tensor:
+        """grad_input of x (this rank's input: all rows, or its part with sequence parallel)
+        from every rank's share dx [N, D] (fp32), in x's dtype: summed over the ranks (one
+        all-reduce), or with sequence parallel reduce-scattered to the parts. The sum is
+        taken before rounding: one rank's share can be much larger than the sum (the
+        target's -W_y on one rank, p W on the others)."""
+        if self.rows_dim is not None:
+            dx_ND = reduce_scatter_rows(dx_ND.view(*x.shape[: self.rows_dim], -1, *x.shape[self.rows_dim + 1 :]),
+                                        self.group, self.rows_dim)
+        else:
+            dist.all_reduce(dx_ND, group=self.group)
+        return dx_ND.to(x.dtype)
+
+
+def local_targets(y_N, first: int, local_vocab: int):
+    """Targets (or teacher ids) as this rank's column indices: y - first where y is one of
+    its classes, else -1 (no column: the terms of other ranks' classes are theirs)."""
+    mine = (y_N >= first) & (y_N < first + local_vocab)
+    return torch.where(mine, y_N - first, torch.full_like(y_N, -1))
+
+
+def combine_stats(running, sums, group):
+    """([lse [N] of each running (m, l) pair], [each tensor of `sums` summed]) over all
+    ranks' classes: one all-reduce MAX of the m's, one SUM of the rest (nothing without a
+    group). lse is NaN where any rank's running pair is NaN (a NaN logit, or +inf which
+    makes l NaN), as one process gives: a MAX all-reduce need not keep NaN."""
+    if group is None:
+        return [m + torch.log(l) for m, l in running], list(sums)
+    m = torch.stack([m for m, _ in running])
+    l = torch.stack([l for _, l in running])
+    m_all = m.clone()
+    dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
+    finite = torch.isfinite(m_all)
+    shift = torch.where(finite, m_all, torch.zeros_like(m_all))
+    scaled = torch.where(m == -torch.inf, torch.zeros_like(l), l * torch.exp(m - shift))
+    flat = torch.cat([scaled.flatten(), (torch.isnan(m) | torch.isnan(l)).to(l.dtype).flatten(), *(t.flatten() for t in sums)])
+    dist.all_reduce(flat, group=group)
+    k = m.numel()
+    lse = torch.where(finite, shift + torch.log(flat[:k].view_as(m)), m_all)
+    lse = torch.where(flat[k : 2 * k].view_as(m) > 0, torch.full_like(lse, torch.nan), lse)
+    parts, start = [], 2 * k
+    for t in sums:
+        parts.append(flat[start : start + t.numel()].view_as(t))
+        start += t.numel()
+    return list(lse.unbind(0)), parts
+
+
+def gather_rows(x, group, dim: int) -> torch.Tensor:
+    """Sequence parallel: every rank's part of the input (equal parts, split along `dim`),
+    concatenated along `dim` in the group's rank order, as Megatron's sequence-parallel
+    layers gather their input before the vocabulary-split head."""
+    parts = x.movedim(dim, 0).contiguous()
+    whole = parts.new_empty((dist.get_world_size(group) * parts.shape[0], *parts.shape[1:]))
+    dist.all_gather_into_tensor(whole, parts, group=group)
+    return whole.movedim(0, dim)
+
+
+def reduce_scatter_rows(dx, group, dim: int) -> torch.Tensor:
+    """The transpose of `gather_rows`: every rank's share of the whole input's gradient dx
+    summed, and this rank's part along `dim` kept (one reduce-scatter: 1/P of an all-reduce's
+    result, and the gathered input's gradient is never whole on any rank)."""
+    shares = dx.movedim(dim, 0).contiguous()
+    mine = shares.new_empty((shares.shape[0] // dist.get_world_size(group), *shares.shape[1:]))
+    dist.reduce_scatter_tensor(mine, shares, group=group)
+    return mine.movedim(0, dim)
+
+
+def vocab_slice(group, local_vocab: int, hidden: int, n_rows: int, device, problem: Exception | None) -> VocabSplit:
+    """This rank's `VocabSplit` (no rows_dim), from the ranks' slice sizes
     gathered over `group` with what every rank must share (D, N) and whether its own
     arguments passed their checks (`problem`: None, or the error this rank raises). Every
     rank raises when any rank's arguments are wrong, so none waits in a later collective."""
@@ -60,7 +165,8 @@ def vocab_slice(group, local_vocab: int, hidden: int, n_rows: int, device, probl
         raise ValueError(f"vocab_parallel: every rank must hold at least one class; classes by rank: "
                          f"{[row[0] for row in table]}")
     rank = dist.get_rank(group)
-    return sum(row[0] for row in table[:rank]), sum(row[0] for row in table)
+    return VocabSplit(group, sum(row[0] for row in table[:rank]), sum(row[0] for row in table),
+                      max(row[0] for row in table))
 
 
 def _gathered(t):
