@@ -8,8 +8,9 @@ python -m bench.report FILE.json                   # every row and column of one
 The README holds one section per framework between `<!-- bench.report torch -->` and
 `<!-- /bench.report torch -->` (the same with `jax`), and one for `compiled_model.json` (a
 model's step under torch.compile, written by `python -m bench.compiled_model`) and one for
-`log_probs_{torch,jax}.json` (`python -m bench.log_probs`), each left as it is when the folder
-has no such file; everything between a pair is replaced. A check mode lets
+`log_probs_{torch,jax}.json` (`python -m bench.log_probs`) and one for the multi-GPU runs
+(`bench.distributed_report`), each left as it is when the folder has no such file; everything
+between a pair is replaced. A check mode lets
 a test hold the README to the numbers the JSON records.
 """
 
@@ -22,6 +23,7 @@ import re
 import sys
 
 from bench import store
+from bench.distributed_report import SECTION as DISTRIBUTED, distributed_section
 from bench.measure import PRESETS
 
 FRAMEWORKS = {"torch": "PyTorch", "jax": "JAX"}
@@ -184,6 +186,9 @@ def sections_of(folder: str, found: dict[str, tuple[str, dict]]) -> dict[str, st
                 runs[fw] = (path, json.load(f))
     if runs:
         sections[RL] = rl_section(runs)
+    distributed = distributed_section(folder)
+    if distributed is not None:
+        sections[DISTRIBUTED] = distributed
     return sections
 
 
@@ -191,11 +196,11 @@ def rewrite(text: str, sections: dict[str, str]) -> str:
     """`text` with each section between its markers; a framework with a JSON but no markers,
     or markers but no JSON, is an error (a README that silently keeps old numbers). The
     compiled model's markers without its JSON keep their text (another command writes it)."""
-    for fw in (*FRAMEWORKS, COMPILED, RL):
+    for fw in (*FRAMEWORKS, COMPILED, RL, DISTRIBUTED):
         pattern = re.compile(rf"(<!-- bench\.report {fw} -->\n).*?(<!-- /bench\.report {fw} -->)", re.DOTALL)
         has_markers = pattern.search(text) is not None
         if has_markers and fw not in sections:
-            if fw in (COMPILED, RL):
+            if fw in (COMPILED, RL, DISTRIBUTED):
                 continue
             raise ValueError(f"markers for {fw} but no cross_entropy_{fw}.json")
         if fw in sections and not has_markers:

@@ -132,7 +132,7 @@ def test_committed_results_render_and_readme_matches(tmp_path, capsys, monkeypat
     for _, data in found.values():
         assert {r["shape"] for r in data["results"]} == {"L", "G", "S"} and data["environment"]["device"] in printed
     sections = re.findall(r"<!-- bench\.report \w+ -->\n(.*?)<!-- /bench\.report", Path("README.md").read_text(), re.DOTALL)
-    assert len(sections) == 4 and all(sections), "README.md lacks its tables: python -m bench.report --readme README.md"
+    assert len(sections) == 5 and all(sections), "README.md lacks its tables: python -m bench.report --readme README.md"
     assert report.main(["--readme", "README.md", "--check"]) == 0, "run python -m bench.report --readme README.md"
 
 
@@ -149,6 +149,29 @@ def test_rl_section_has_both_losses_of_every_method():
     cell = table[2].split(" | ")[1]
     assert cell.startswith(f"{row['log_probs']['fwd_bwd_ms']:.1f} / {row['grpo']['fwd_bwd_ms']:.1f} (")
     assert "| liger-grpo | - / " in "\n".join(table)
+
+
+def test_distributed_section_compares_each_method_with_one_gpu(tmp_path):
+    """The multi-GPU table: per split-head shape and method, the 1-GPU and P-GPU times, the
+    speed-up over one GPU's unsplit call, the weak run's efficiency and the per-GPU peak over
+    the rank's floor; the model steps and the JAX meshes after them; none without the runs."""
+    from bench.distributed_report import distributed_section
+
+    section = distributed_section(str(ROOT / "bench/results"))
+    load = lambda name: json.loads((ROOT / "bench/results" / name).read_text())["results"]
+    one, two, weak = load("distributed_1gpu.json"), load("distributed_2gpu.json"), load("distributed_2gpu_weak.json")
+    pick = lambda rows, method: next(r for r in rows if r["shape"] == "L" and r["method"] == method)
+    base, r1, r2, rw = pick(one, "one-gpu-speed"), pick(one, "ours-speed"), pick(two, "ours-speed"), pick(weak, "ours-speed")
+    row = next(line for line in section.splitlines() if line.startswith("| L ") and "| ours-speed |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:5] == [f"{r1['fwd_bwd_ms']:.1f}", f"{r2['fwd_bwd_ms']:.1f}",
+                          f"{base['fwd_bwd_ms'] / r2['fwd_bwd_ms']:.2f}x"]
+    assert cells[5] == f"{rw['fwd_bwd_ms']:.1f} ({100 * r1['fwd_bwd_ms'] / rw['fwd_bwd_ms']:.0f}%)"
+    top = max(r2["peak_extra_mib_per_rank"])
+    assert cells[6] == f"{top / 1024:.2f} ({top / r2['local_floor_mib']:.2f}x)"
+    assert "2 x NVIDIA" in section and "Llama-like model, FSDP2" in section and "JAX L 16384x4096x128256" in section
+    (tmp_path / "distributed_1gpu.json").write_text("{}")
+    assert distributed_section(str(tmp_path)) is None  # no run of several GPUs
 
 
 def test_compiled_model_section_is_generated_and_optional(tmp_path):

@@ -570,9 +570,12 @@ def test_split_head_at_a_real_shape_is_as_accurate_as_one_gpu(tmp_path):
                 assert got <= 2 * base + 1e-6, f"rank {r}, {name}, {what}: {got:.3g} against one GPU's {base:.3g}"
 
 
-def jax_cases(dtype: str = "float32", strategies=("speed", "memory", "chunked")):
-    """(key, strategy, problem, options, upstream gradients) of the JAX mesh tests."""
+def jax_cases(dtype: str = "float32", strategies=("speed", "memory", "chunked"), cases=None):
+    """(key, strategy, problem, options, upstream gradients) of the JAX mesh tests; `cases`:
+    the names of CASES to run (default all)."""
     for case, (options, problem_kwargs, with_lse) in CASES.items():
+        if cases is not None and case not in cases:
+            continue
         for strategy in strategies:
             for layout in ("VD", "DV") if case == "mean" else ("VD",):
                 seed = seed_of("jax-vocab-parallel", case, layout, dtype)
@@ -591,7 +594,8 @@ from tests.test_vocab_parallel import jax_cases
 mesh = jax.make_mesh(tuple(int(k) for k in sys.argv[2].split(",")), ("dp", "tp"),
                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
 out = {}
-for key, strategy, p, options, (g_out, g_lse) in jax_cases():
+cases = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # default: every case
+for key, strategy, p, options, (g_out, g_lse) in jax_cases(cases=cases):
     layout = p.weight_layout
     w_spec = P("tp", None) if layout == "VD" else P(None, "tp")
     lead = (None,) * (p.x.ndim - 1)
@@ -635,9 +639,9 @@ def _jax_process(args: list[str], devices: str, timeout: int):
     return subprocess.run([sys.executable, *args], env=env, cwd=repo, capture_output=True, text=True, timeout=timeout)
 
 
-def _check_shard_map_results(path):
+def _check_shard_map_results(path, cases=None):
     got = dict(np.load(path))
-    for key, _, p, options, (g_out, g_lse) in jax_cases():
+    for key, _, p, options, (g_out, g_lse) in jax_cases(cases=cases):
         ref = reference(p, options, g_out, g_lse)
         for name, want in (("loss", ref.loss), ("lse", ref.lse), ("grad_x", ref.grad_input),
                            ("grad_W", ref.grad_weight), ("grad_b", ref.grad_bias)):
@@ -776,7 +780,9 @@ for strategy in ("speed", "memory"):
                     local = jax.jit(jax.value_and_grad(lambda x_, W_: jax_impl.linear_cross_entropy(
                         x_, W_, jnp.asarray(y[: N // DP]), strategy=strategy, tuning=SMALL), argnums=(0, 1)))
                     one = local.lower(jnp.asarray(x[: N // DP]), jnp.asarray(W[: V // TP])).compile().memory_analysis()
-                    if temp > 1.5 * one.temp_size_in_bytes + 4096:
+                    # 1.5x and 8 KiB: fixed buffers (the statistics' all-reduce operands, a
+                    # GPU program's few KiB more) dominate temporaries of a few KiB
+                    if temp > 1.5 * one.temp_size_in_bytes + 8192:
                         bad.append((key, "per-device temp bytes", temp, "vs one device's local problem", one.temp_size_in_bytes))
 # Rows that don't divide over "dp" (a sharding XLA would pad): every device computes every
 # row, and the numbers stay the reference's.
@@ -816,13 +822,14 @@ def test_jax_on_a_mesh_of_two_gpus_matches_reference(tmp_path, mesh):
     ("2,1": the head replicated or FSDP-sharded) or the head split over its vocabulary on
     "tp" ("1,2"), both strategies and layouts, plain and with every option, against the
     float64 reference, nothing row-sized gathered; inside jax.shard_map with
-    `vocab_parallel="tp"` ("1,2"), every option and strategy."""
+    `vocab_parallel="tp"` ("1,2"), every strategy, plain and with every option."""
     done = _jax_process(["-c", JIT_SCRIPT, mesh, "mean,all"], "gpu", timeout=1200)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    if mesh == "1,2":
-        done = _jax_process(["-c", JAX_SCRIPT, str(tmp_path / "jax.npz"), mesh], "gpu", timeout=900)
+    if mesh == "1,2":  # the plainest case and the one with every option (all run on CPU devices)
+        cases = "mean,everything-none-lse"
+        done = _jax_process(["-c", JAX_SCRIPT, str(tmp_path / "jax.npz"), mesh, cases], "gpu", timeout=900)
         assert done.returncode == 0 and "done" in done.stdout, done.stderr[-4000:]
-        _check_shard_map_results(tmp_path / "jax.npz")
+        _check_shard_map_results(tmp_path / "jax.npz", cases.split(","))
 
 
 @pytest.mark.parametrize("tp, fsdp", [(2, False), (1, True)])

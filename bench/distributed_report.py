@@ -1,0 +1,124 @@
+"""The README's Distributed table, from the JSON the multi-GPU benchmarks write into bench/results.
+
+Files read (each optional; the section exists when `distributed_1gpu.json` and one
+`distributed_<P>gpu.json` with P > 1 do), P being the largest rank count found:
+- `distributed_1gpu.json`, `distributed_<P>gpu.json`, `distributed_<P>gpu_weak.json`:
+  `torchrun --nproc-per-node {1,P} -m bench.distributed [--weak]` (the split head);
+- `fsdp_model_<P>gpu.json`, `fsdp_model_tp_<P>gpu.json`: `bench.fsdp_model` (FSDP2, and
+  `--head tp`);
+- `jax_mesh_1gpu.json`, `jax_mesh_<P>gpu_vocab.json`, `jax_mesh_<P>gpu_rows.json`:
+  `bench.jax_mesh` on one GPU, with the head split over P devices (`--tp P`) and with the
+  rows sharded over them (`--tp 1`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+SECTION = "distributed"
+PRESET_NAMES = {(16384, 4096, 128256): "L", (8192, 2304, 256000): "G"}
+
+
+def _load(folder: str, name: str):
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def ranks_measured(folder: str) -> int | None:
+    """The largest P > 1 of a `distributed_<P>gpu.json` in folder, or None."""
+    found = [int(m.group(1)) for f in os.listdir(folder) if (m := re.fullmatch(r"distributed_(\d+)gpu\.json", f))]
+    found = [p for p in found if p > 1]
+    return max(found) if found else None
+
+
+def _gib(mib) -> str:
+    return "-" if mib is None else f"{mib / 1024:.2f}"
+
+
+def _split_head_rows(one: dict, many: dict, weak: dict | None, p: int) -> list[list[str]]:
+    """Per shape and method: ms on 1 GPU (a group of one) and on P, the speed-up over one
+    GPU's unsplit call, the weak run's ms and efficiency, the per-GPU peak at P (x the rank's
+    floor: its slice of grad_weight and grad_input)."""
+    find = lambda data, shape, method: next((r for r in (data or {}).get("results", [])
+                                             if r["shape"] == shape and r["method"] == method), None)
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in many["results"]):
+        base = find(one, shape, "one-gpu-speed")
+        for method in [*dict.fromkeys(r["method"] for r in many["results"] if r["shape"] == shape), "one-gpu-speed"]:
+            r1, rp, rw = find(one, shape, method), find(many, shape, method), find(weak, shape, method)
+            if rp is None and r1 is None:
+                continue
+            n, d, v = (rp or r1)["N"], (rp or r1)["D"], (rp or r1)["V"]
+            speedup = "-" if rp is None or base is None else f"{base['fwd_bwd_ms'] / rp['fwd_bwd_ms']:.2f}x"
+            weak_cell = "-" if rw is None or r1 is None else \
+                f"{rw['fwd_bwd_ms']:.1f} ({100 * r1['fwd_bwd_ms'] / rw['fwd_bwd_ms']:.0f}%)"
+            peak = "-"
+            if rp is not None and rp["peak_extra_mib_per_rank"][0] is not None:
+                top = max(rp["peak_extra_mib_per_rank"])
+                peak = f"{_gib(top)} ({top / rp['local_floor_mib']:.2f}x)"
+            label = "one GPU, unsplit" if method == "one-gpu-speed" else method
+            rows.append([f"{shape} {n}x{d}x{v} split head", label, f"{r1['fwd_bwd_ms']:.1f}" if r1 else "-",
+                         f"{rp['fwd_bwd_ms']:.1f}" if rp else "-", speedup, weak_cell, peak])
+    return rows
+
+
+def _model_rows(data: dict | None, what: str) -> list[list[str]]:
+    """A model step per method: ms at P, the per-GPU peak (GiB, no floor)."""
+    if data is None:
+        return []
+    rows = []
+    for r in data["results"]:
+        tokens = f"{r['rows_per_rank']}x{r['seq']} tokens"
+        rows.append([f"Llama-like model, {what}, {tokens}", r["method"], "-", f"{r['step_ms']:.1f}", "-", "-",
+                     _gib(max(r["peak_extra_mib_per_rank"]))])
+    return rows
+
+
+def _jax_rows(one: list | None, sharded: list | None, what: str) -> list[list[str]]:
+    """JAX under jit per shape and method: ms on one GPU and on the mesh, the speed-up, the
+    compiled program's temporaries per device (XLA's analysis)."""
+    if sharded is None:
+        return []
+    rows = []
+    for r in sharded:
+        n, d, v = (int(k) for k in r["shape"].split("x"))
+        base = next((b for b in one or [] if b["shape"] == r["shape"] and b["method"] == r["method"]), None)
+        name = PRESET_NAMES.get((n, d, v), "")
+        rows.append([f"JAX {name} {r['shape']}, {what}", r["method"], f"{base['ms']:.1f}" if base else "-",
+                     f"{r['ms']:.1f}", f"{base['ms'] / r['ms']:.2f}x" if base else "-", "-",
+                     f"{_gib(r['temp_bytes_per_device'] / 2**20)} (temporaries)"])
+    return rows
+
+
+def distributed_section(folder: str) -> str | None:
+    """The section's text (a caption, then the table), or None without the split head's runs."""
+    p = ranks_measured(folder)
+    one = _load(folder, "distributed_1gpu.json")
+    if p is None or one is None:
+        return None
+    many = _load(folder, f"distributed_{p}gpu.json")
+    env = many["environment"]
+    rows = _split_head_rows(one, many, _load(folder, f"distributed_{p}gpu_weak.json"), p)
+    rows += _model_rows(_load(folder, f"fsdp_model_{p}gpu.json"), "FSDP2")
+    rows += _model_rows(_load(folder, f"fsdp_model_tp_{p}gpu.json"), "head split by tensor parallelism")
+    jax_one = _load(folder, "jax_mesh_1gpu.json")
+    rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_vocab.json"), f"head split over {p} GPUs")
+    rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_rows.json"), f"rows sharded over {p} GPUs")
+    text = (f"On {p} x {env['device']} (NCCL), {env['dtype']}, random data, {env['date'][:10]}; torch {env['torch']} "
+            f"(`bench/results/distributed_*`, `fsdp_model_*`, `jax_mesh_*`). Split head: fwd+bwd of the cross-entropy "
+            f"with each GPU holding 1/{p} of the classes (`vocab_parallel`), on 1 GPU (a group of one) and on {p}; "
+            f"speed-up: one GPU's call without `vocab_parallel` over this method's time on {p} GPUs; weak: {p}x the "
+            f"rows on {p} GPUs (efficiency: the 1-GPU time over it); peak: each GPU's memory beyond its inputs, over "
+            f"its floor (its slice of grad_weight and grad_input). `loss-parallel`: PyTorch's `loss_parallel` on "
+            f"materialised logits. Model: a training step (4 layers, D 2048, V 128256, bf16), each GPU its own rows "
+            f"(FSDP2) or the same rows (tensor-parallel head). JAX: `jax.jit` of the unchanged call on sharded "
+            f"arrays; naive: XLA on materialised logits.\n\n")
+    head = ["workload", "method", "1 GPU: ms", f"{p} GPUs: ms", "speed-up over 1 GPU", f"{p} GPUs, {p}x rows: ms (weak)",
+            f"{p} GPUs: peak GiB per GPU"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    return text + "\n".join(lines) + "\n"
