@@ -23,9 +23,10 @@ import torch.distributed as dist
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
 from torch_impl.blocks import HeadBlocks, final_grad
 from torch_impl.vocab_parallel import combine_stats
-from torch_impl.autograd import first_order_only
+from torch_impl.autograd import first_order_only, scale_formed
 from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
 from torch_impl.rows import compute_dtype
+from torch_impl.steps import TorchOps
 
 
 def _head(x, W, b, layout, plan, ops, vocab=None, active=None) -> HeadBlocks:
@@ -181,11 +182,11 @@ class TopKDistillation(torch.autograd.Function):
         none = (None,) * 10
         if grad_loss is None:
             return (None, None, None) + none
-        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
-            grads, ctx.grads = ctx.grads, None
-            return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
         x_ND, W, b_V, *saved = ctx.saved_tensors
         teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, group = ctx.args
+        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
+            grads, ctx.grads = ctx.grads, None
+            return scale_formed(grads, grad_loss, kernels=ops is not TorchOps) + none
         grads = topk_backward(grad_loss, x_ND, W, b_V, teacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
                               ctx.needs_input_grad[:3], active, group)
         return tuple(grads) + none
@@ -288,11 +289,11 @@ class DenseDistillation(torch.autograd.Function):
         none = (None,) * 10
         if grad_loss is None:
             return (None, None) + none
-        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
-            grads, ctx.grads = ctx.grads, None
-            return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + none
         x_ND, W, xt_ND, Wt, *saved = ctx.saved_tensors
         valid_N, o, layout, vocab, plan, ops, num_items, active = ctx.args
+        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
+            grads, ctx.grads = ctx.grads, None
+            return scale_formed(grads, grad_loss, kernels=ops is not TorchOps) + none
         grads = dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items,
                                ctx.needs_input_grad[:2], active)
         return tuple(grads) + none

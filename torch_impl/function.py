@@ -7,8 +7,8 @@ import torch
 from torch_impl import blocked
 from torch_impl.blocks import BlockPlan
 from torch_impl.arguments import dense
-from torch_impl.autograd import first_order_only
-from torch_impl.kernels import TargetCheck, scale_
+from torch_impl.autograd import first_order_only, scale_formed
+from torch_impl.kernels import TargetCheck
 
 
 class KernelLinearCrossEntropy(torch.autograd.Function):
@@ -56,9 +56,7 @@ class KernelLinearCrossEntropy(torch.autograd.Function):
             return (None, None, None) + none
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
-            if grad_loss is None:
-                return tuple(None if g is None else torch.zeros_like(g) for g in grads) + none
-            return tuple(None if g is None else scale_(g, grad_loss) for g in grads) + none
+            return scale_formed(grads, grad_loss, kernels=True) + none
         grad_loss, grad_lse = dense(grad_loss), dense(grad_lse)  # an expanded upstream gradient has stride 0
         x_ND, W, b_V, cw_V, y_N, lse, active = ctx.saved_tensors
         grads = blocked.backward(

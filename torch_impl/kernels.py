@@ -235,7 +235,7 @@ def scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """t *= g in place, in fp32 (g: a 0-d device tensor); when g == 1 the kernel returns
     without touching t (a dense grad_weight is 2 V D bytes to read and write). Returns t."""
     if not t.is_contiguous():
-        return t.mul_(g.to(t.dtype))
+        return t.copy_(t.float() * g)  # not g rounded to t's dtype first
     _scale_kernel[(triton.cdiv(t.numel(), 4096),)](t, g, t.numel(), BLOCK=4096, num_warps=8)
     return t
 

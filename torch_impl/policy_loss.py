@@ -21,7 +21,7 @@ from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight,
 from interop.tuning import Tuning
 from torch_impl import log_probs
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
-from torch_impl.autograd import first_order_only
+from torch_impl.autograd import first_order_only, scale_formed
 from torch_impl.blocks import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl.functional import check_target_range, choose_strategy, valid_rows_only
@@ -76,10 +76,8 @@ class LinearPolicyLoss(torch.autograd.Function):
         if grad_loss is None:
             return (None, None, None) + none
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass (by the kernels)
-            from torch_impl.kernels import scale_
-
             grads, ctx.grads = ctx.grads, None
-            return tuple(None if g is None else scale_(g, grad_loss) for g in grads) + none
+            return scale_formed(grads, grad_loss, kernels=True) + none
         x_ND, W, b_V, y_N, logp, entropy, lse, *tokens = ctx.saved_tensors
         o, head, layout, plan, ops, active = ctx.args
         _, g, g_h = _terms(o, tokens, slice(None), logp, entropy, y_N != head.ignore_index)
