@@ -121,7 +121,8 @@ class _Blocks(HeadBlocks):
         """Add a filtered block of whole rows to the gradients: dz [R, V] on the tiles that
         f.tiles keeps (gathered when few are, else the others zeroed in place) plus the
         target terms f.target, sparse. Asks the GPU once which tiles are kept (unless the
-        plan may not wait for it: then zeroed in place)."""
+        plan may not wait for it: then zeroed in place). Never with a split (y is global)."""
+        assert self.split is None, "a split head computes every entry"
         vocab = self.vocab
         kept = f.tiles.nonzero().squeeze(1).tolist() if self.plan.host_sync else None
         if kept is None or len(kept) > self.plan.tuning.gather_share * f.tiles.shape[0]:

@@ -55,10 +55,11 @@ def valid_rows_only(t: Tuning, strategy: str, valid_N: torch.Tensor, hidden: int
     return rows_to_compute(valid_N)
 
 
-def head_slice(group, check_local, device):
+def head_slice(group, check_local, device, fingerprint: int = 0, kept=None):
     """This rank's `torch_impl.vocab_parallel.VocabSplit` of a head split over `group`, after
     every rank's own checks (`check_local`: the ProblemShape of this rank's arguments, or
-    their error), which every rank learns of (`torch_impl.vocab_parallel.vocab_slice`)."""
+    their error), which every rank learns of with what every rank's call must share
+    (`torch_impl.vocab_parallel.vocab_slice`)."""
     if parallel is None:
         raise RuntimeError("vocab_parallel needs torch.distributed and Triton's package, which this install lacks")
     if not isinstance(group, torch.distributed.ProcessGroup):
@@ -68,7 +69,7 @@ def head_slice(group, check_local, device):
     except (ValueError, TypeError) as e:
         local, problem = None, e
     sizes = (0, 0, 0) if local is None else (local.vocab, local.hidden, local.n_rows)
-    return parallel.vocab_slice(group, *sizes, device, problem)
+    return parallel.vocab_slice(group, *sizes, device, problem, fingerprint, kept)
 
 
 def _whole_shape(input: torch.Tensor, rows_dim: int | None, group) -> tuple[int, ...]:
@@ -266,7 +267,13 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
     )
     split = None
     if vocab_parallel is not None:
-        split = head_slice(vocab_parallel, lambda: checked(None, None), input.device).with_rows_dim(rows_dim)
+        # what decides the ranks' blocks and collectives, the same on every rank or an error on all
+        grads = torch.is_grad_enabled(), *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
+        fingerprint = parallel.call_fingerprint(strategy, dtype_name(input.dtype), opts, return_lse, weight_layout,
+                                                accumulate_in_input_dtype, tuning, rows_dim, grads, weight is None)
+        kept = target.ne(opts.ignore_index).sum() if not target.is_floating_point() else None
+        split = head_slice(vocab_parallel, lambda: checked(None, None), input.device, fingerprint,
+                           kept).with_rows_dim(rows_dim)
     shape = checked(weight, None if split is None else split.vocab)
     # with sequence parallel, the rank's part of the rows: the split's loops gather them
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input

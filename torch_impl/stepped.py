@@ -1,4 +1,4 @@
-"""Cross-entropy driven by block steps (`torch_impl.steps`): the fallback and the vocabulary split.
+"""Cross-entropy driven by block steps (`torch_impl.steps`): the fallback ("chunked").
 
 The loop of `torch_impl.distill_blocked`, for cross-entropy: each block of logits z [R, C]
 is merged by a "stats" step into per-row running statistics (max m and sum of exponentials

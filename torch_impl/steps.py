@@ -1,6 +1,6 @@
 """The block steps of every loss, twice: on the Triton kernels (`KernelOps`, CUDA or
 TRITON_INTERPRET=1) and in plain PyTorch (`TorchOps`, the fallback: fp32 logits, fp64 for fp64
-inputs). `torch_impl.stepped` (cross-entropy's fallback and the vocabulary split) and
+inputs). `torch_impl.stepped` (cross-entropy's fallback) and
 `torch_impl.distill_blocked` drive either; `torch_impl.blocked` runs single-device
 cross-entropy on the kernels directly (its fused row kernels and gradient filter).
 
@@ -194,8 +194,8 @@ class TorchOps:
 
 def plan_steps(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
                       accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False):
-    """(BlockPlan, ops) of the paths driven by block steps (distillation, the vocabulary
-    split, cross-entropy's fallback): "speed" / "memory" on the Triton kernels (`KernelOps`) or "chunked" (`TorchOps`
+    """(BlockPlan, ops) of the paths driven by block steps (distillation, cross-entropy's
+    fallback): "speed" / "memory" on the Triton kernels (`KernelOps`) or "chunked" (`TorchOps`
     on row chunks of whole rows); n_rows: the rows computed; buffers: 2 when a dense
     teacher's logits are blocked too; gathered_rows: the rows are gathered (HeadBlocks.active)."""
     wide = compute_dtype(dtype)

@@ -12,7 +12,10 @@ grad_bias, and the full grad_input (one all-reduce SUM of [N, D] in fp32, or wit
 parallel a reduce-scatter of it over the rows: `VocabSplit.sum_grad_input`). Class weights
 are the full [V] vector on every rank. Every rank makes the same collectives in the same
 order whatever its arguments (`vocab_slice` checks them all first), so a bad argument on
-one rank raises on every rank instead of leaving the others waiting.
+one rank raises on every rank instead of leaving the others waiting. The ranks' calls must be
+the same (options, dtypes, which inputs need a gradient, the targets) and so must their
+upstream gradients: "speed" forms the summed gradients in the forward pass, and each rank
+scales them by its own.
 
 The losses run this as a mode of their usual paths: cross-entropy's kernel path
 (`torch_impl.blocked`: with "speed" the gradients formed in the forward pass, 6 N D V / P
@@ -29,6 +32,7 @@ split across ranks) is gathered once per call (`local_operands`).
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -88,7 +92,7 @@ class VocabSplit:
                                         self.group, self.rows_dim)
         else:
             dist.all_reduce(dx_ND, group=self.group)
-        return dx_ND.to(x.dtype)
+        return dx_ND.to(x.dtype, memory_format=torch.contiguous_format)  # a part along dim 1 is a strided view
 
 
 def local_targets(y_N, first: int, local_vocab: int):
@@ -144,12 +148,24 @@ def reduce_scatter_rows(dx, group, dim: int) -> torch.Tensor:
     return mine.movedim(0, dim)
 
 
-def vocab_slice(group, local_vocab: int, hidden: int, n_rows: int, device, problem: Exception | None) -> VocabSplit:
+def call_fingerprint(*facts) -> int:
+    """A number that is the same on every rank whose call has the same `facts` (options,
+    dtypes, grad flags: reprs that do not vary between processes, unlike Python's hash)."""
+    return zlib.crc32(repr(facts).encode()) & 0x7FFFFFFF
+
+
+def vocab_slice(group, local_vocab: int, hidden: int, n_rows: int, device, problem: Exception | None,
+                fingerprint: int = 0, kept=None) -> VocabSplit:
     """This rank's `VocabSplit` (no rows_dim), from the ranks' slice sizes
-    gathered over `group` with what every rank must share (D, N) and whether its own
+    gathered over `group` with what every rank must share (D, N, the call's `fingerprint`,
+    and `kept`: a 0-d device tensor, the count of rows not ignored) and whether its own
     arguments passed their checks (`problem`: None, or the error this rank raises). Every
-    rank raises when any rank's arguments are wrong, so none waits in a later collective."""
-    facts = torch.tensor([local_vocab, hidden, n_rows, problem is not None], dtype=torch.int64, device=device)
+    rank raises when any rank's arguments are wrong or differ, so none waits in a later
+    collective: the block loops' collectives follow from what these facts hold."""
+    facts = torch.tensor([local_vocab, hidden, n_rows, problem is not None, fingerprint, 0], dtype=torch.int64,
+                         device=device)
+    if kept is not None and problem is None:
+        facts[5] = kept
     gathered = [torch.empty_like(facts) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, facts, group=group)
     table = torch.stack(gathered).tolist()
@@ -158,6 +174,9 @@ def vocab_slice(group, local_vocab: int, hidden: int, n_rows: int, device, probl
     failed = [r for r, row in enumerate(table) if row[3]]
     if failed:
         raise ValueError(f"vocab_parallel: the arguments of rank(s) {failed} of the group failed their checks")
+    if any(row[4:] != table[0][4:] for row in table):
+        raise ValueError("vocab_parallel: every rank must make the same call (options, dtypes, which inputs need a "
+                         "gradient, the global targets); the ranks' calls differ")
     if any(row[1:3] != table[0][1:3] for row in table):
         raise ValueError(f"vocab_parallel: every rank needs the same rows and hidden size; (D, N) by rank: "
                          f"{[tuple(row[1:3]) for row in table]}")
