@@ -1,12 +1,13 @@
-"""`torchrun --nproc-per-node P -m bench.distributed`: the cross-entropy of a head split over
-the vocabulary across P ranks, beside PyTorch's `loss_parallel` over materialised logits.
+"""`torchrun --nproc-per-node P -m bench.distributed`: the cross-entropy (or with `--loss`
+another loss) of a head split over the vocabulary across P ranks, beside PyTorch's
+`loss_parallel` over materialised logits (cross-entropy only).
 
 Every rank holds the same N rows and V / P classes of the head (uneven when P does not
 divide V). Per shape and method: fwd+bwd ms (median, rank 0's clock after a barrier),
 each rank's peak memory beyond its inputs (GPUs), rank 0's floor (the bytes of its slice
 of grad_weight and of grad_input), and the loss (the same for every method).
-"one-gpu-speed" is the call without `vocab_parallel` (the whole head, one GPU): strong
-scaling's baseline, run at P = 1 only.
+"one-gpu-speed" (and "one-gpu-memory", on request) is the call without `vocab_parallel`
+(the whole head, one GPU): strong scaling's baseline, run at P = 1 only.
 `--weak` multiplies N by P (weak
 scaling: each rank's logits keep their size). NCCL on GPUs (keep NVLink multicast off:
 NCCL_NVLS_ENABLE=0), gloo on CPUs. Rank 0 writes the JSON (`--json`).
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from bench import measure
 
 METHODS = ("ours-speed", "ours-memory", "loss-parallel", "one-gpu-speed")
+LOSSES = ("cross_entropy", "topk", "log_probs", "policy")  # --loss; loss-parallel is cross-entropy's
 # NVLink multicast off in every process of a run: on a shared host a program using it can put
 # every GPU of the host out of service (NCCL's NVLS, PyTorch's symmetric memory, NVSHMEM).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -37,14 +39,31 @@ def _grads(loss, x, W):
     return loss.detach(), x.grad, W.grad
 
 
-def _ours(strategy: str, group):
+def _ours(strategy: str, group, loss: str, y, vocab: int):
     """fwd+bwd of this rank's slice through `vocab_parallel=group` (None: the whole head, no
-    split): (loss, grad_x, grad_W)."""
+    split) for one of LOSSES: (loss, grad_x, grad_W). The top-K teacher (K = 32, random ids
+    and log-probabilities), the RL losses' advantages and upstream gradients are drawn once
+    per call of `_ours`, from y's generator state."""
     import torch_impl
+
+    gen = torch.Generator(device=y.device).manual_seed(0)
+    n, dev = y.shape[0], y.device
+    ids = torch.randint(0, vocab, (n, 32), generator=gen, device=dev)
+    teacher = torch.randn(n, 32, generator=gen, device=dev).log_softmax(-1)
+    signs = torch.randn(n, generator=gen, device=dev)
+    calls = {
+        "cross_entropy": lambda x, W: torch_impl.linear_cross_entropy(x, W, y, strategy=strategy, vocab_parallel=group),
+        "topk": lambda x, W: torch_impl.linear_topk_distillation(x, W, ids, teacher, target=y, strategy=strategy,
+                                                                 vocab_parallel=group),
+        "log_probs": lambda x, W: (torch_impl.linear_log_probs(x, W, y, strategy=strategy, vocab_parallel=group)
+                                   * signs).sum(),
+        "policy": lambda x, W: torch_impl.linear_policy_loss(x, W, y, signs, strategy=strategy, vocab_parallel=group),
+    }
+    call = calls[loss]
 
     def step(x, W, y):
         x, W = x.detach().requires_grad_(), W.detach().requires_grad_()
-        return _grads(torch_impl.linear_cross_entropy(x, W, y, strategy=strategy, vocab_parallel=group), x, W)
+        return _grads(call(x, W), x, W)
 
     return step
 
@@ -65,7 +84,7 @@ def _loss_parallel(mesh, vocab: int):
     return step
 
 
-def run(shapes, methods, dtype, repeat: int, weak: bool) -> list[dict]:
+def run(shapes, methods, dtype, repeat: int, weak: bool, loss: str = "cross_entropy") -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,9 +102,11 @@ def run(shapes, methods, dtype, repeat: int, weak: bool) -> list[dict]:
             if mname.startswith("one-gpu") and world > 1:
                 continue  # the whole head on one GPU: strong scaling's baseline, measured at P = 1
             strategy = mname.rsplit("-", 1)[1]
+            if mname == "loss-parallel" and loss != "cross_entropy":
+                continue
             step = (_loss_parallel(mesh, v) if mname == "loss-parallel"
-                    else _ours(strategy, None if mname.startswith("one-gpu") else group))
-            row = {"shape": name, "N": n, "D": d, "V": v, "P": world, "method": mname,
+                    else _ours(strategy, None if mname.startswith("one-gpu") else group, loss, y, v))
+            row = {"shape": name, "N": n, "D": d, "V": v, "P": world, "loss_fn": loss, "method": mname,
                    "local_floor_mib": (x.numel() + W.numel()) * x.element_size() / 2**20}
             # An error on one rank (out of memory) would leave the others in a collective: it
             # ends the run (torchrun stops every rank).
@@ -111,11 +132,12 @@ def main(argv=None):
     parser.add_argument("--weak", action="store_true", help="N times the number of ranks (weak scaling)")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs (default 10 on GPUs, 2 on CPUs)")
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
+    parser.add_argument("--loss", default="cross_entropy", choices=LOSSES)
     args = parser.parse_args(argv)
     def body(gpu: bool, dtype):
         shapes = (args.shapes or ("L,G" if gpu else "256x64x1000")).split(",")
-        rows = run(shapes, args.methods.split(","), dtype, args.repeat or (10 if gpu else 2), args.weak)
-        return {"weak": args.weak, "results": rows}
+        rows = run(shapes, args.methods.split(","), dtype, args.repeat or (10 if gpu else 2), args.weak, args.loss)
+        return {"weak": args.weak, "loss_fn": args.loss, "results": rows}
 
     on_ranks(body, args.json)
 

@@ -6,6 +6,8 @@ Files read (each optional; the section exists when `distributed_1gpu.json` and o
   `torchrun --nproc-per-node {1,P} -m bench.distributed [--weak]` (the split head);
 - `fsdp_model_<P>gpu.json`, `fsdp_model_tp_<P>gpu.json`: `bench.fsdp_model` (FSDP2, and
   `--head tp`);
+- `split_1gpu_<loss>.json`, `split_<P>gpu_<loss>.json` (loss: topk, log_probs, policy):
+  `bench.distributed --loss <loss>`, the other losses' split heads;
 - `jax_mesh_1gpu.json`, `jax_mesh_<P>gpu_vocab.json`, `jax_mesh_<P>gpu_rows.json`:
   `bench.jax_mesh` on one GPU, with the head split over P devices (`--tp P`) and with the
   rows sharded over them (`--tp 1`).
@@ -19,6 +21,8 @@ import re
 
 SECTION = "distributed"
 PRESET_NAMES = {(16384, 4096, 128256): "L", (8192, 2304, 256000): "G"}
+LOSS_NAMES = {"cross_entropy": "cross-entropy", "topk": "top-K distillation (K 32)", "log_probs": "log-probabilities",
+              "policy": "policy loss"}
 
 
 def _load(folder: str, name: str):
@@ -42,8 +46,8 @@ def _gib(mib) -> str:
 
 def _split_head_rows(one: dict, many: dict, weak: dict | None, p: int) -> list[list[str]]:
     """Per shape and method: ms on 1 GPU (a group of one) and on P, the speed-up over one
-    GPU's unsplit call, the weak run's ms and efficiency, the per-GPU peak at P (x the rank's
-    floor: its slice of grad_weight and grad_input)."""
+    GPU's unsplit "speed" call, the weak run's ms and efficiency, the per-GPU peak at P (x
+    the rank's floor: its slice of grad_weight and grad_input)."""
     find = lambda data, shape, method: next((r for r in (data or {}).get("results", [])
                                              if r["shape"] == shape and r["method"] == method), None)
     rows = []
@@ -64,6 +68,31 @@ def _split_head_rows(one: dict, many: dict, weak: dict | None, p: int) -> list[l
             label = "one GPU, unsplit" if method == "one-gpu-speed" else method
             rows.append([f"{shape} {n}x{d}x{v} split head", label, f"{r1['fwd_bwd_ms']:.1f}" if r1 else "-",
                          f"{rp['fwd_bwd_ms']:.1f}" if rp else "-", speedup, weak_cell, peak])
+    return rows
+
+
+def _loss_rows(one: dict, many: dict, p: int, loss: str) -> list[list[str]]:
+    """Another loss's split head, one row per shape, "speed / memory" in each cell: ms with a
+    group of one (the unsplit calls' beside), ms on P GPUs, the speed-up over the unsplit call
+    of the same strategy, the per-GPU peak at P (GiB)."""
+    find = lambda data, shape, method: next((r for r in data["results"] if r["shape"] == shape and r["method"] == method),
+                                            None)
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in many["results"]):
+        cells = {k: [] for k in ("one", "unsplit", "many", "speedup", "peak")}
+        for strategy in ("speed", "memory"):
+            r1, ru, rp = (find(one, shape, f"ours-{strategy}"), find(one, shape, f"one-gpu-{strategy}"),
+                          find(many, shape, f"ours-{strategy}"))
+            cells["one"].append(f"{r1['fwd_bwd_ms']:.1f}" if r1 else "-")
+            cells["unsplit"].append(f"{ru['fwd_bwd_ms']:.1f}" if ru else "-")
+            cells["many"].append(f"{rp['fwd_bwd_ms']:.1f}" if rp else "-")
+            cells["speedup"].append(f"{ru['fwd_bwd_ms'] / rp['fwd_bwd_ms']:.2f}x" if ru and rp else "-")
+            cells["peak"].append(_gib(max(rp["peak_extra_mib_per_rank"])) if rp and rp["peak_extra_mib_per_rank"][0]
+                                 is not None else "-")
+        r = next(r for r in many["results"] if r["shape"] == shape)
+        rows.append([f"{shape} {r['N']}x{r['D']}x{r['V']} split head, {LOSS_NAMES[loss]}", "ours-speed / ours-memory",
+                     f"{' / '.join(cells['one'])} (unsplit {' / '.join(cells['unsplit'])})", " / ".join(cells["many"]),
+                     " / ".join(cells["speedup"]), "-", " / ".join(cells["peak"])])
     return rows
 
 
@@ -104,15 +133,20 @@ def distributed_section(folder: str) -> str | None:
     many = _load(folder, f"distributed_{p}gpu.json")
     env = many["environment"]
     rows = _split_head_rows(one, many, _load(folder, f"distributed_{p}gpu_weak.json"), p)
+    for loss in ("topk", "log_probs", "policy"):
+        loss_one, loss_many = _load(folder, f"split_1gpu_{loss}.json"), _load(folder, f"split_{p}gpu_{loss}.json")
+        if loss_one is not None and loss_many is not None:
+            rows += _loss_rows(loss_one, loss_many, p, loss)
     rows += _model_rows(_load(folder, f"fsdp_model_{p}gpu.json"), "FSDP2")
     rows += _model_rows(_load(folder, f"fsdp_model_tp_{p}gpu.json"), "head split by tensor parallelism")
     jax_one = _load(folder, "jax_mesh_1gpu.json")
     rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_vocab.json"), f"head split over {p} GPUs")
     rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_rows.json"), f"rows sharded over {p} GPUs")
     text = (f"On {p} x {env['device']} (NCCL), {env['dtype']}, random data, {env['date'][:10]}; torch {env['torch']} "
-            f"(`bench/results/distributed_*`, `fsdp_model_*`, `jax_mesh_*`). Split head: fwd+bwd of the cross-entropy "
-            f"with each GPU holding 1/{p} of the classes (`vocab_parallel`), on 1 GPU (a group of one) and on {p}; "
-            f"speed-up: one GPU's call without `vocab_parallel` over this method's time on {p} GPUs; weak: {p}x the "
+            f"(`bench/results/distributed_*`, `split_*`, `fsdp_model_*`, `jax_mesh_*`). Split head: fwd+bwd of the "
+            f"cross-entropy (or the loss named) with each GPU holding 1/{p} of the classes (`vocab_parallel`), on 1 GPU "
+            f"(a group of one) and on {p}; speed-up: one GPU's call without `vocab_parallel` (\"speed\"; for the other "
+            f"losses, of the same strategy) over this method's time on {p} GPUs; weak: {p}x the "
             f"rows on {p} GPUs (efficiency: the 1-GPU time over it); peak: each GPU's memory beyond its inputs, over "
             f"its floor (its slice of grad_weight and grad_input). `loss-parallel`: PyTorch's `loss_parallel` on "
             f"materialised logits. Model: a training step (4 layers, D 2048, V 128256, bf16), each GPU its own rows "

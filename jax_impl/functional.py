@@ -72,7 +72,7 @@ def denominator(num_items_in_batch, dtype):
     return jnp.asarray(num_items_in_batch, dtype)
 
 
-def _whole_vocab(linear_weight, weight_layout: str, axis) -> int | None:
+def whole_vocab(linear_weight, weight_layout: str, axis) -> int | None:
     """V of a head split over the mesh axis `axis` (inside shard_map): the local classes
     times the axis' size."""
     if not isinstance(axis, str):
@@ -190,7 +190,7 @@ def linear_cross_entropy(
         class_weight_shape=shape_of(weight),
         class_weight_dtype=dtype_name(weight),
         weight_layout=weight_layout,
-        classes=None if vocab_parallel is None else _whole_vocab(linear_weight, weight_layout, vocab_parallel),
+        classes=None if vocab_parallel is None else whole_vocab(linear_weight, weight_layout, vocab_parallel),
     )
     n, lead = shape.n_rows, shape.lead_shape
     check_target_range(target, shape.vocab, opts.ignore_index)

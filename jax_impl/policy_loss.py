@@ -40,16 +40,18 @@ def _keep(cfg: DistillConfig, skip: bool, y_N):
     return (y_N != cfg.options.ignore_index) if skip else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLossOptions, skip: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLossOptions, skip: bool,
+                axis: str | None = None):
     """The loss (0-d, fp32; fp64 for fp64 inputs) over flattened rows x [N, D], int32 targets
     y [N] and the per-token arrays (a dict of [N] in the compute dtype; absent keys are None);
-    skip: compute only the rows not ignored."""
-    logp, entropy, _, _ = forward(x_ND, W, b_V, y_N, cfg, _keep(cfg, skip, y_N))
+    skip: compute only the rows not ignored; axis: the shard_map axis of a head split over
+    the vocabulary (`log_probs.forward`), or None."""
+    logp, entropy, _, _ = forward(x_ND, W, b_V, y_N, cfg, _keep(cfg, skip, y_N), axis)
     return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum()
 
 
-def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o, skip):
+def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o, skip, axis):
     keep = _keep(cfg, skip, y_N)
     if cfg.strategy == "speed":
         keys = tuple(tokens)
@@ -59,13 +61,13 @@ def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o, skip):
             return _terms(o, cfg, y_R, logp_R, entropy_R, dict(zip(keys, values)))[1:]
 
         logp, entropy, dx, dW, db = forward_with_grads(x_ND, W, b_V, y_N, (y_N,) + tuple(tokens.values()), cfg,
-                                                       upstream, keep)
+                                                       upstream, keep, axis)
         return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((dx, dW, db), tokens)
-    logp, entropy, _, lse = forward(x_ND, W, b_V, y_N, cfg, keep)
+    logp, entropy, _, lse = forward(x_ND, W, b_V, y_N, cfg, keep, axis)
     return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((x_ND, W, b_V, y_N, logp, entropy, lse), tokens)
 
 
-def _bwd(cfg, o, skip, res, g_loss):
+def _bwd(cfg, o, skip, axis, res, g_loss):
     saved, tokens = res
     no_tokens = jax.tree.map(jnp.zeros_like, tokens)
     if cfg.strategy == "speed":
@@ -73,7 +75,7 @@ def _bwd(cfg, o, skip, res, g_loss):
     x_ND, W, b_V, y_N, logp, entropy, lse = saved
     _, g, g_h = _terms(o, cfg, y_N, logp, entropy, tokens)
     return grads(x_ND, W, b_V, y_N, lse, entropy, g * g_loss, None if g_h is None else g_h * g_loss, cfg,
-                 _keep(cfg, skip, y_N)) + (None, no_tokens)
+                 _keep(cfg, skip, y_N), axis) + (None, no_tokens)
 
 
 policy_loss.defvjp(_fwd, _bwd)
@@ -98,7 +100,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
                        token_weight=None, epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
                        entropy_coef: float = 0.0, linear_bias=None, temperature: float = 1.0,
                        softcap: float | None = None, ignore_index: int | None = -100, weight_layout: str = "VD",
-                       strategy: str = "auto", accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None):
+                       strategy: str = "auto", accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None,
+                       vocab_parallel: str | None = None):
     """The clipped policy-gradient loss (PPO, GRPO): the arguments and formula of
     `torch_impl.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
     "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs and token_weight
@@ -106,7 +109,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     inside shard_map, each shard's). Differentiable in input, linear_weight and linear_bias
     (`jax.custom_vjp`; the per-token arrays get zero cotangents); usable under `jax.jit`,
     where a target out of [0, V) that is not ignore_index gives a NaN loss instead of the
-    eager call's ValueError.
+    eager call's ValueError. vocab_parallel: as for `jax_impl.linear_log_probs` (inside
+    shard_map, the mesh axis splitting the head by vocabulary).
 
     Returns:
         the loss, 0-d, fp32 (fp64 for fp64 input).
@@ -115,7 +119,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
     o.check_references(ref_log_probs)
     input, linear_weight, target, linear_bias, shape, tuning = checked_call(input, linear_weight, target, linear_bias,
-                                                                            head, weight_layout, strategy, tuning)
+                                                                            head, weight_layout, strategy, tuning,
+                                                                            vocab_parallel)
     n, wide = shape.n_rows, compute_dtype(input.dtype)
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                  token_weight=token_weight)
@@ -124,14 +129,17 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     if "token_weight" not in tokens:
         tokens["token_weight"] = mean_weight(jnp, y != ignore32, jnp.zeros(y.shape, wide))
     platform = platform_of(input)
-    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, shape.vocab, platform, tuning)
+    local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
     cfg = plan(tuning, dataclasses.replace(head, ignore_index=ignore32), weight_layout, strategy, n, shape.hidden,
-               shape.vocab, input.dtype, accumulate_in_input_dtype, platform)
+               local_vocab, input.dtype, accumulate_in_input_dtype, platform)
 
     keys = tuple(tokens)
-    skip = strategy != "chunked" and skipping_pays(tuning, n, shape.hidden, shape.vocab)
+    skip = strategy != "chunked" and skipping_pays(tuning, n, shape.hidden, local_vocab)
 
     def loss(x, W, b, y, *values):
-        return policy_loss(x.reshape(n, shape.hidden), W, b, y, dict(zip(keys, values)), cfg, o, skip)
+        return policy_loss(x.reshape(n, shape.hidden), W, b, y, dict(zip(keys, values)), cfg, o, skip, vocab_parallel)
 
+    if vocab_parallel is not None:  # inside shard_map: the device's own operands
+        return loss(input, linear_weight, linear_bias, y, *tokens.values())
     return on_mesh(loss, (input, linear_weight, linear_bias, y, *tokens.values()), lambda: P())

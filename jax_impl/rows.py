@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from interop.options import CrossEntropyOptions
-from jax_impl.sharding import vary_like
+from jax_impl.sharding import vary, vary_like, varying_axes
 
 _INT32 = np.iinfo(np.int32)
 
@@ -135,7 +135,7 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     if n_full == 1 and not rest:
         return row_step(carry, per_row)
     block = tuple(jax.ShapeDtypeStruct((block_rows,) + a.shape[1:], a.dtype) for a in per_row)
-    shapes = jax.eval_shape(row_step, carry, block)[1]
+    carry_shapes, shapes = jax.eval_shape(row_step, carry, block)
     outs = tuple(jnp.zeros((n_rows,) + s.shape[1:], s.dtype) for s in shapes)
     order = None if keep is None else kept_first(keep)
 
@@ -151,7 +151,10 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     def blocks(state, first, count, size):  # `count` blocks of `size` rows from row `first`
         return jax.lax.fori_loop(0, count, lambda i, st: step(first + i * size, size, st), state)
 
-    state = vary_like((carry, outs), per_row, carry)  # shard_map: the carry's type as row_step's
+    # shard_map: the carry's and each output's type as row_step's (a row's value the same on
+    # every device, as combined statistics are, stays so)
+    typed = lambda a, s: vary(a, varying_axes(s, *per_row))
+    state = (jax.tree.map(typed, vary_like(carry, per_row, carry), carry_shapes), tuple(map(typed, outs, shapes)))
     if keep is None:
         if n_full:  # (no rows: no loop)
             state = blocks(state, 0, n_full, block_rows)

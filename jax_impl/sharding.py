@@ -42,15 +42,16 @@ def explicit_mesh(*arrays):
 
 
 def varying_axes(*arrays) -> frozenset:
-    """The Manual mesh axes over which any of `arrays` (None skipped) varies: its type's
-    `manual_axis_type` (JAX 0.10+) or `vma` (earlier); empty outside shard_map."""
+    """The Manual mesh axes over which any of `arrays` (None skipped; ShapeDtypeStructs too)
+    varies: its type's `manual_axis_type` (JAX 0.10+) or `vma` (earlier); empty outside
+    shard_map."""
     axes = frozenset()
     if not hasattr(jax, "typeof"):
         return axes
     for a in arrays:
         if a is None:
             continue
-        aval = jax.typeof(a)
+        aval = a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)
         mat = getattr(aval, "manual_axis_type", None)
         axes |= frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
     return axes

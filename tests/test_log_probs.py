@@ -28,10 +28,10 @@ STRATEGIES = ["speed", "memory", "chunked"]
 RUNS = [("torch", s) for s in STRATEGIES] + [("jax", s) for s in STRATEGIES]
 
 
-def _problem(case: str, dtype: str, layout: str = "VD"):
+def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53):
     options, kwargs, which = CASES[case]
     seed = seed_of("log-probs", case, dtype, layout)
-    p = make_problem(seed, dtype=dtype, weight_layout=layout, **kwargs)
+    p = make_problem(seed, dtype=dtype, weight_layout=layout, vocab=vocab, **kwargs)
     rng = np.random.default_rng(seed + 1)
     g_lp = rng.standard_normal(p.y.shape) if which in ("both", "log_probs") else None
     g_H = rng.standard_normal(p.y.shape) if which in ("both", "entropy") else None

@@ -30,11 +30,11 @@ SCALE = 2.5
 RUNS = [(f, s) for f in ("torch", "jax") for s in STRATEGIES]
 
 
-def _problem(case: str, dtype: str, layout: str = "VD"):
+def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53):
     """(problem, options, per-token inputs as float64 numpy of the target's shape)."""
     options, kwargs, which = CASES[case]
     seed = seed_of("policy", case, dtype, layout)
-    p = make_problem(seed, dtype=dtype, weight_layout=layout, **kwargs)
+    p = make_problem(seed, dtype=dtype, weight_layout=layout, vocab=vocab, **kwargs)
     rng = np.random.default_rng(seed + 1)
     shape = p.y.shape
     tokens = {"advantages": rng.standard_normal(shape[:-1] + (1,))}  # one per sequence, broadcast

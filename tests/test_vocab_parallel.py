@@ -78,6 +78,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, device: str = "cpu")
             for key, value in got.items():
                 results[f"{case}|{strategy}|{dtype}|{layout}|{key}"] = value
         results.update(_topk_results(rank, world, group, device))
+        results.update(_rl_results(rank, world, group, device))
         results.update(_sequence_parallel_results(rank, world, group, device))
         if world == 2:
             results.update(_dtensor_results(world, device))
@@ -147,8 +148,41 @@ def _topk_results(rank: int, world: int, group, device: str) -> dict:
         axis = 0 if p.weight_layout == "VD" else 1
         local = p.__class__(**{**p.__dict__, "W": _slice(p.W, first, size, axis), "b": _slice(p.b, first, size, 0)})
         got = run("torch", strategy, local, {**options, "vocab_parallel": group}, g, count, device=device,
-                  tuning=SMALL)
+                  tuning=SKIPPING)
         results.update({f"topk|{name}|{strategy}|{dtype}|{key}": value for key, value in got.items()})
+    return results
+
+
+def _rl_cases(world: int):
+    """("log_probs" or "policy", case, strategy, dtype) of the RL losses' cases with a split head."""
+    from tests import test_log_probs, test_policy_loss
+
+    for kind, cases in (("log_probs", test_log_probs.CASES), ("policy", test_policy_loss.CASES)):
+        for case in cases:
+            for strategy in SPLITS[world][1]:
+                for dtype in SPLITS[world][2]:
+                    yield kind, case, strategy, dtype
+
+
+def _rl_results(rank: int, world: int, group, device: str) -> dict:
+    """`linear_log_probs` (log-probabilities, entropy, argmax) and `linear_policy_loss` with
+    this rank's slice of the head (and bias), for each of their test cases (ignored tokens
+    skipped where the policy loss skips them)."""
+    from tests import test_log_probs, test_policy_loss
+
+    first, size = sum(SPLITS[world][0][:rank]), SPLITS[world][0][rank]
+    results = {}
+    for kind, case, strategy, dtype in _rl_cases(world):
+        module = test_log_probs if kind == "log_probs" else test_policy_loss
+        p, options, *upstream = module._problem(case, dtype)
+        axis = 0 if p.weight_layout == "VD" else 1
+        local = p.__class__(**{**p.__dict__, "W": _slice(p.W, first, size, axis), "b": _slice(p.b, first, size, 0)})
+        options = {**options, "vocab_parallel": group}
+        if kind == "log_probs":
+            got = test_log_probs.run_torch(local, options, *upstream, device=device, strategy=strategy)
+        else:
+            got = test_policy_loss.run_torch(local, options, *upstream, strategy, device=device, tuning=SKIPPING)
+        results.update({f"{kind}|{case}|{strategy}|{dtype}|{key}": value for key, value in got.items()})
     return results
 
 
@@ -378,6 +412,31 @@ def test_topk_distillation_with_a_split_head_matches_reference(sharded_results):
                 whole["grad_b"] = np.concatenate([got(q, "grad_b") for q in range(world)])
             for key, err in errors(whole, ref).items():
                 assert err <= tol, f"{where}, rank {r}, {key}: relative error {err:.3g} > {tol:.3g}"
+
+
+def test_log_probs_and_policy_loss_with_a_split_head_match_reference(sharded_results):
+    """`linear_log_probs` (log-probabilities, entropy, argmax, gradients of both) and
+    `linear_policy_loss` with the head split over 2 or 4 ranks (uneven slices; a bias, a
+    softcap, temperatures, ignored tokens, 3-d rows): every rank's outputs and grad_input,
+    and the ranks' slices of grad_weight and grad_bias put together, equal the float64
+    reference."""
+    from tests import test_log_probs, test_policy_loss
+
+    world, ranks = sharded_results
+    for kind, case, strategy, dtype in _rl_cases(world):
+        module = test_log_probs if kind == "log_probs" else test_policy_loss
+        p, options, *upstream = module._problem(case, dtype)
+        ref = module._reference(p, options, *upstream)
+        got = lambda r, key: ranks[r][f"{kind}|{case}|{strategy}|{dtype}|{key}"]
+        axis = 0 if p.weight_layout == "VD" else 1
+        assert [got(r, "grad_W").shape[axis] for r in range(world)] == list(SPLITS[world][0])
+        for r in range(world):
+            whole = {key: got(r, key) for key in ("log_probs", "entropy", "argmax", "loss", "grad_x")
+                     if f"{kind}|{case}|{strategy}|{dtype}|{key}" in ranks[r]}
+            whole["grad_W"] = np.concatenate([got(q, "grad_W") for q in range(world)], axis=axis)
+            if p.b is not None:
+                whole["grad_b"] = np.concatenate([got(q, "grad_b") for q in range(world)])
+            module.check(whole, ref, dtype, p.logit_scale, f"{world} ranks, {kind}, {case}, {strategy}, {dtype}, rank {r}")
 
 
 @pytest.mark.parametrize("form, lead", [("dtensor", (13,)), ("dtensor-sp", (2, 8))])
@@ -634,6 +693,57 @@ print("done")
 """
 
 
+JAX_RL_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import jax_impl
+from tests import test_log_probs, test_policy_loss
+from tests.frameworks import SMALL
+from tests.test_vocab_parallel import jax_rl_cases
+
+mesh = jax.make_mesh(tuple(int(k) for k in sys.argv[2].split(",")), ("dp", "tp"),
+                     axis_types=(jax.sharding.AxisType.Auto,) * 2)
+out = {}
+for key, kind, strategy, p, options, upstream in jax_rl_cases():
+    layout, y = p.weight_layout, jnp.asarray(p.y.astype(np.int32))
+    lead = (None,) * (p.x.ndim - 1)
+    specs = (P(*lead, None), P("tp", None) if layout == "VD" else P(None, "tp")) + ((P("tp"),) if p.b is not None else ())
+    args = [jnp.asarray(a, jnp.float32) for a in (p.x, p.W, p.b) if a is not None]
+    call = dict(weight_layout=layout, strategy=strategy, tuning=SMALL, vocab_parallel="tp", **options)
+    if kind == "log_probs":
+        local = lambda x, W, b=None: jax_impl.linear_log_probs(x, W, y, linear_bias=b, return_entropy=True,
+                                                               return_argmax=True, **call)
+        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(*lead),) * 3, check_vma=True)
+        (lp, H, am), vjp = jax.vjp(f, *args)
+        g_lp, g_H = (np.zeros(p.y.shape) if g is None else g for g in upstream)
+        grads = vjp((jnp.asarray(g_lp, jnp.float32), jnp.asarray(g_H, jnp.float32), np.zeros(am.shape, jax.dtypes.float0)))
+        out.update({key + "|log_probs": lp, key + "|entropy": H, key + "|argmax": am})
+    else:
+        tokens = {k: jnp.asarray(v, jnp.float32) for k, v in upstream[0].items()}
+        local = lambda x, W, b=None: jax_impl.linear_policy_loss(x, W, y, linear_bias=b, **call, **tokens)
+        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=True)
+        loss, grads = jax.value_and_grad(f, argnums=tuple(range(len(args))))(*args)
+        out[key + "|loss"] = loss
+    out.update({f"{key}|{name}": g for name, g in zip(("grad_x", "grad_W", "grad_b"), grads)})
+np.savez(sys.argv[1], **{k: np.asarray(v) for k, v in out.items()})
+print("done")
+"""
+
+
+def jax_rl_cases():
+    """(key, kind, strategy, problem, options, upstream) of the JAX RL losses' split-head
+    tests: every `linear_log_probs` and `linear_policy_loss` test case, fp32, 52 classes
+    (equal slices on 2 devices)."""
+    from tests import test_log_probs, test_policy_loss
+
+    for kind, module in (("log_probs", test_log_probs), ("policy", test_policy_loss)):
+        for case in module.CASES:
+            for strategy in ("speed", "memory", "chunked"):
+                p, options, *upstream = module._problem(case, "float32", vocab=52)
+                yield f"{kind}|{case}|{strategy}", kind, strategy, p, options, upstream
+
+
 def _jax_process(args: list[str], devices: str, timeout: int):
     """`python args...` in a fresh process with JAX on `devices`: "cpu" (4 CPU devices, the
     kernels in interpret mode) or "gpu" (every GPU, NVLink multicast off)."""
@@ -668,6 +778,24 @@ def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
     done = _jax_process(["-c", JAX_SCRIPT, str(tmp_path / "jax.npz"), "2,2"], "cpu", timeout=900)
     assert done.returncode == 0 and "done" in done.stdout, done.stderr[-4000:]
     _check_shard_map_results(tmp_path / "jax.npz")
+
+
+@pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=MULTI_GPU)])
+def test_jax_log_probs_and_policy_loss_in_shard_map_match_reference(tmp_path, devices):
+    """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode) or of 2 GPUs:
+    `linear_log_probs` (log-probabilities, entropy, argmax and both upstream gradients) and
+    `linear_policy_loss` inside jax.shard_map (check_vma=True) with the head split over "tp",
+    every test case and strategy: the float64 reference's outputs and gradients."""
+    from tests import test_log_probs, test_policy_loss
+
+    mesh = "2,2" if devices == "cpu" else "1,2"
+    done = _jax_process(["-c", JAX_RL_SCRIPT, str(tmp_path / "rl.npz"), mesh], devices, timeout=900)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-4000:]
+    got = dict(np.load(tmp_path / "rl.npz"))
+    for key, kind, strategy, p, options, upstream in jax_rl_cases():
+        module = test_log_probs if kind == "log_probs" else test_policy_loss
+        mine = {name.rsplit("|", 1)[1]: value for name, value in got.items() if name.startswith(key + "|")}
+        module.check(mine, module._reference(p, options, *upstream), "float32", p.logit_scale, key)
 
 
 @pytest.mark.cuda

@@ -91,7 +91,7 @@ class _Blocks(HeadBlocks):
         """lse and the row losses of rows rs from this rank's statistics (fp32 [R] each),
         combined over the split's ranks first."""
         if self.split is not None:
-            (lse,), (sy, ws) = combine_stats([(m, l)], [sy, ws], self.split.group)
+            (lse,) = combine_stats([(m, l)], [sy, ws], self.split.group)
             m, l = lse, torch.ones_like(lse)  # m + log(l) is then the combined lse itself
         self.rows.losses_(m, l, sy, ws, rs, lse_R, loss_R)
 
@@ -173,7 +173,9 @@ def forward(x, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_no
     in_forward = any(grads_now)
     assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
     dx, _, dW, db = blocks.gradient_buffers(*grads_now, wide_dx=split is not None)
-    if blocks.whole_rows:  # statistics, losses and dz per row block
+    # statistics, losses and dz per block of whole rows; a split's ranks take the same branch
+    # (the plan's, not their own slice's: a narrow slice can be whole in a plan of tiles)
+    if blocks.whole_rows if split is None else plan.layout == "rows":
         for rs in blocks.row_blocks():
             z = blocks.logits(rs, 0, blocks.vocab)
             f = blocks.tile_filter(rs) if in_forward else None
@@ -194,7 +196,8 @@ def forward(x, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_no
             for v0, cols in blocks.col_blocks():
                 block_stats_(blocks.logits(rs, v0, cols), v0, b_V, blocks.cw_cols, blocks.y_cols[rs], m[rs], l[rs],
                              sy[rs], ws[rs], opts.softcap, opts.label_smoothing > 0)
-            blocks.losses_(m[rs], l[rs], sy[rs], ws[rs], rs, lse[rs], loss[rs])
+        # every row's losses at once: with a split, one combine of all rows' statistics
+        blocks.losses_(m, l, sy, ws, slice(0, n), lse, loss)
     loss = blocks.rows.reduce(blocks.all_rows(loss) if opts.reduction == "none" else loss)
     z = blocks = None  # the logits buffer goes before dW's conversion allocates its result
     if dx is not None and split is not None:

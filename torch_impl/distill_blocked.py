@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
 from torch_impl.blocks import HeadBlocks, final_grad
-from torch_impl.vocab_parallel import combine_stats
+from torch_impl.vocab_parallel import VocabSplit, combine_stats
 from torch_impl.autograd import first_order_only, scale_formed
 from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
 from torch_impl.rows import compute_dtype
@@ -45,32 +44,38 @@ SECOND_ORDER_MESSAGE = "logitless: the distillation losses give first-order grad
 # ----------------------------------------------------------------------------- top-K teacher
 
 
-def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistillationOptions, layout, plan, ops,
-                 num_items, grads_now=(False, False, False), active=None, group=None):
+def topk_forward(x, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistillationOptions, layout, plan, ops,
+                 num_items, grads_now=(False, False, False), active=None, split: VocabSplit | None = None):
     """(loss, saved, grads): saved = (lse_T, lse_1, s_ids, s_y) per row for the backward
     pass; grads = (dx, dW, db) for an upstream gradient of 1 if any of grads_now is set.
-    y_N: int64, -1 where there is no (valid, in-range) target. active: int64 [A], the only
-    rows of x computed (HeadBlocks), or None; the teacher, y_N, valid_N, the losses and
-    saved are then over those A rows, dx over all of x's. group: the process group of a
-    head split over the vocabulary, W this rank's classes; teacher.ids and y_N are then
-    this rank's columns (-1 for the others'), and the statistics are combined over the
-    ranks before the row terms (no gradients in the forward pass)."""
+    x: the rows [N, D]; y_N: int64, -1 where there is no (valid, in-range) target. active:
+    int64 [A], the only rows of x computed (HeadBlocks), or None; the teacher, y_N, valid_N,
+    the losses and saved are then over those A rows, dx over all of x's. split: a head split
+    over the vocabulary (W this rank's classes; teacher.ids and y_N this rank's columns, -1
+    for the others'): the statistics are combined over the ranks before the row terms (each
+    row block's where its gradients are formed here, else every row's after the loop: one
+    combine), and grad_input is summed over them in fp32."""
+    x_ND = x if split is None else split.whole_rows(x)
     blocks = _head(x_ND, W, b_V, layout, plan, ops, active=active)
     n, dev, K = blocks.n_rows, x_ND.device, teacher.ids.shape[1]
     wide = compute_dtype(x_ND.dtype)
     two = o.weight_hard > 0 and o.temperature != 1.0
+    group = None if split is None else split.group
     m, l, s_y = _running(n, wide, dev)
     m1, l1, sy1 = _running(n, wide, dev)
     lse_T, lse_1 = torch.empty(n, dtype=wide, device=dev), torch.empty(n, dtype=wide, device=dev)
     s_ids = torch.zeros(n, K, dtype=wide, device=dev)
     loss = torch.empty(n, dtype=wide, device=dev)
     in_forward = any(grads_now)
-    assert not in_forward or (blocks.whole_rows and group is None), "gradients in the forward pass need whole rows"
-    dx, _, dW, db = blocks.gradient_buffers(*grads_now)
+    assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
+    dx, _, dW, db = blocks.gradient_buffers(*grads_now, wide_dx=split is not None)
     r_N = row_weights(valid_N, o.reduction, torch.ones((), device=dev), num_items, wide) if in_forward else None
 
     def row_terms(rs):
-        """The rows' losses into `loss` from lse_T, lse_1, s_ids and s_y; their (A, C)."""
+        """Rows rs' lse (combined over a split's ranks) and losses; their (A, C)."""
+        lses = combine_stats([(m[rs], l[rs]), (m1[rs], l1[rs])] if two else [(m[rs], l[rs])], [s_y[rs], s_ids[rs]],
+                             group)
+        lse_T[rs], lse_1[rs] = lses[0], lses[-1]
         loss[rs], A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], s_y[rs], teacher, rs, o)
         return A, C
 
@@ -81,10 +86,8 @@ def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistil
             if two:
                 ops.stats_(z, v0, b_V, y_N[rs], m1[rs], l1[rs], sy1[rs], o.softcap, 1.0)
             s_ids[rs] += gather_entries(z, v0, teacher.ids[rs], b_V, o.softcap, wide)
-        if group is not None:  # the row terms need every rank's statistics
-            continue
-        lse_T[rs] = m[rs] + torch.log(l[rs])
-        lse_1[rs] = m1[rs] + torch.log(l1[rs]) if two else lse_T[rs]
+        if group is not None and not in_forward:
+            continue  # a split's row terms once after the loop: one combine of every row's statistics
         A, C = row_terms(rs)
         if in_forward:
             g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
@@ -94,42 +97,37 @@ def topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistil
             blocks.add_grads(dz, rs, 0, blocks.vocab, dx_R, dW, db)
             if dx_R is not None:
                 blocks.scatter_dx_rows(dx, rs, dx_R)
-    if group is not None:
-        lses, (s_y, s_ids) = combine_stats([(m, l), (m1, l1)] if two else [(m, l)], [s_y, s_ids], group)
-        lse_T, lse_1 = lses[0], lses[-1]
+    if group is not None and not in_forward:
         row_terms(slice(0, n))
     total = reduce_rows(loss, valid_N, o.reduction, num_items)
     z = dz = blocks = None  # the logits buffer goes before dW's conversion allocates its result
+    if dx is not None and split is not None:
+        dx = split.sum_grad_input(dx, x)
     return total, (lse_T, lse_1, s_ids, s_y), (dx, final_grad(dW, W), final_grad(db, b_V))
 
 
-def topk_backward(grad_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
-                  need=(True, True, True), active=None, group=None):
+def topk_backward(grad_loss, x, W, b_V, teacher: TopKTeacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
+                  need=(True, True, True), active=None, split: VocabSplit | None = None):
     """(dx, dW, db) recomputing the logits block by block; None where not needed; active
-    and group as for topk_forward (with a group, grad_input is summed over the ranks in
-    fp32, then rounded once)."""
+    and split as for topk_forward."""
+    x_ND = x if split is None else split.whole_rows(x)
     blocks = _head(x_ND, W, b_V, layout, plan, ops, active=active)
     lse_T, lse_1, s_ids, s_y = saved
     r_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_T.dtype)
-    need_x, need_W, need_b = need
-    dx, dx_acc, dW, db = blocks.gradient_buffers(need_x and group is None, need_W, need_b)
-    if group is not None and need_x:  # summed over the ranks in fp32: no buffer in x's dtype
-        dx = torch.zeros(x_ND.shape, dtype=lse_T.dtype, device=x_ND.device)
+    dx, dx_acc, dW, db = blocks.gradient_buffers(*need, wide_dx=split is not None)
     for rs in blocks.row_blocks():
         _, A, C = topk_row_terms(s_ids[rs], lse_T[rs], lse_1[rs], s_y[rs], teacher, rs, o)
         g = TopKGradRows(r_N[rs], A, C, s_ids[rs], lse_T[rs], lse_1[rs], teacher, y_N[rs], rs, o)
-        dx_out = dx[rs] if group is not None and dx is not None else dx_rows(blocks, dx, dx_acc, rs)
+        dx_out = dx_rows(blocks, dx, dx_acc, rs)
         for v0, cols in blocks.col_blocks():
             dz = ops.grad(blocks.logits(rs, v0, cols), v0, b_V, y_N[rs], o.softcap, 1.0 / o.temperature, lse_T[rs],
                           g.p1, g.ty, g.second)
             ops.put_(dz, v0, teacher.ids[rs], g.at_ids)
-            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None or group is not None)
-        if group is None:
-            store_dx_rows(blocks, dx, dx_acc, dx_out, rs)
-    if group is not None and dx is not None:
-        dist.all_reduce(dx, group=group)  # every rank's classes' share of each row's gradient
-        dx = dx.to(x_ND.dtype)
+            blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
+        store_dx_rows(blocks, dx, dx_acc, dx_out, rs)
     dz = blocks = dx_acc = None
+    if dx is not None and split is not None:
+        dx = split.sum_grad_input(dx, x)
     return dx, final_grad(dW, W), final_grad(db, b_V)
 
 
@@ -158,17 +156,18 @@ class TopKDistillation(torch.autograd.Function):
     fp64 for fp64 inputs). Non-tensor arguments: the teacher (TopKTeacher), y [N] int64 (-1:
     none), valid [N], options, layout, plan, ops, num_items (None, a number or a 0-d tensor),
     active (int64 [A] or None: the only rows computed; the teacher, y and valid then [A]),
-    group (a head split over the vocabulary: `topk_forward`)."""
+    split (a head split over the vocabulary, `topk_forward`)."""
 
     @staticmethod
-    def forward(ctx, x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, group):
+    def forward(ctx, x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, split):
         need = ctx.needs_input_grad[:3]
-        vocab = W.shape[0] if layout == "VD" else W.shape[1]
-        in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none" and group is None
+        # the classes the plan is for: W's, or a split's largest slice (every rank decides alike)
+        vocab = (W.shape[0] if layout == "VD" else W.shape[1]) if split is None else split.largest
+        in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
         loss, saved, grads = topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, o, layout, plan, ops, num_items,
-                                          need if in_forward else (False, False, False), active, group)
+                                          need if in_forward else (False, False, False), active, split)
         ctx.grads = grads if in_forward else None
-        ctx.args = (teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, group)
+        ctx.args = (teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, split)
         ctx.save_for_backward(x_ND, W, b_V, *saved)
         ctx.set_materialize_grads(False)
         return loss
@@ -183,12 +182,12 @@ class TopKDistillation(torch.autograd.Function):
         if grad_loss is None:
             return (None, None, None) + none
         x_ND, W, b_V, *saved = ctx.saved_tensors
-        teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, group = ctx.args
+        teacher, y_N, valid_N, o, layout, plan, ops, num_items, active, split = ctx.args
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
             return scale_formed(grads, grad_loss, kernels=ops is not TorchOps) + none
         grads = topk_backward(grad_loss, x_ND, W, b_V, teacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
-                              ctx.needs_input_grad[:3], active, group)
+                              ctx.needs_input_grad[:3], active, split)
         return tuple(grads) + none
 
 

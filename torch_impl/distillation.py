@@ -15,7 +15,14 @@ from torch_impl.steps import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
 from torch_impl.functional import choose_strategy, head_slice, valid_rows_only
 from torch_impl.rows import compute_dtype
-from torch_impl.vocab_parallel import local_targets
+from torch_impl.vocab_parallel import call_fingerprint, local_targets
+
+
+def _valid(o, shape, target, row_mask, device) -> torch.Tensor:
+    """bool [N]: the rows that count (`distill_rows.valid_rows`) of a checked call."""
+    n = shape.n_rows
+    y = None if target is None else dense(target.reshape(n).to(torch.int64))
+    return valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, device)
 
 
 def _all_rows(loss_A, rows, n: int):
@@ -111,15 +118,24 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
         input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
         renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction, ignore_index, softcap,
         weight_layout, strategy)
-    split = None if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked()[1], input.device)
-    first, V = (0, None) if split is None else (split.first, split.vocab)
+    split = None
+    if vocab_parallel is not None:
+        # what decides the ranks' blocks and collectives, the same on every rank or an error on all
+        fingerprint = call_fingerprint(
+            temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction,
+            ignore_index, softcap, strategy, input.dtype, weight_layout, accumulate_in_input_dtype, tuning,
+            teacher_ids.shape[-1], target is None, row_mask is None, linear_bias is None, torch.is_grad_enabled(),
+            *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)))
+        split = head_slice(vocab_parallel, lambda: checked()[1], input.device, fingerprint,
+                           lambda: _valid(*checked(), target, row_mask, input.device).sum())
     o, shape = checked()
-    n, V, dev = shape.n_rows, V or shape.vocab, input.device
+    first, V = (0, shape.vocab) if split is None else (split.first, split.vocab)
+    n, dev = shape.n_rows, input.device
     ids = dense(teacher_ids.reshape(n, shape.k).to(torch.int64))
     if bool((ids >= V).any()):
         raise ValueError(teacher_id_out_of_range_message(int(ids[ids >= V][0]), V))
     y = None if target is None else dense(target.reshape(n).to(torch.int64))
-    valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
+    valid = _valid(o, shape, target, row_mask, dev)
     y_kernel = torch.full((n,), -1, dtype=torch.int64, device=dev)
     if y is not None and o.weight_hard:
         bad = valid & ((y < 0) | (y >= V))
@@ -130,17 +146,21 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
     logprobs = dense(teacher_logprobs.reshape(n, shape.k))
     linear_bias = dense(linear_bias)
     wide = compute_dtype(input.dtype)
-    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, shape.vocab, tuning)
-    rows = None if vocab_parallel is not None else valid_rows_only(tuning, strategy, valid, shape.hidden, V)
+    # the classes a rank plans its blocks for: its own, or the largest rank's slice (the
+    # ranks then plan the same blocks and make the same collectives)
+    plan_vocab = shape.vocab if split is None else split.largest
+    chosen = choose_strategy(strategy, x_ND, n, shape.hidden, plan_vocab, tuning)
+    strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, dev)
+    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
     if rows is not None:  # the rows left out contribute nothing: the kernels compute only the others
         ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (ids, logprobs, y_kernel, valid))
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
-    if vocab_parallel is not None:  # this rank's columns: the ids and target in its slice of the classes
+    if split is not None:  # this rank's columns: the ids and target in its slice of the classes
         teacher, y_kernel = teacher.columns_of(first, shape.vocab), local_targets(y_kernel, first, shape.vocab)
-    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, shape.vocab, input.dtype,
+    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
                            accumulate_in_input_dtype, gathered_rows=rows is not None)
     loss = TopKDistillation.apply(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, o, weight_layout, plan, ops,
-                                  denominator(num_items_in_batch, wide, dev), rows, vocab_parallel)
+                                  denominator(num_items_in_batch, wide, dev), rows, split)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 
 

@@ -59,13 +59,15 @@ def head_slice(group, check_local, device, fingerprint: int = 0, kept=None):
     """This rank's `torch_impl.vocab_parallel.VocabSplit` of a head split over `group`, after
     every rank's own checks (`check_local`: the ProblemShape of this rank's arguments, or
     their error), which every rank learns of with what every rank's call must share
-    (`torch_impl.vocab_parallel.vocab_slice`)."""
+    (`torch_impl.vocab_parallel.vocab_slice`; kept may be a function of no arguments,
+    called after check_local passes)."""
     if parallel is None:
         raise RuntimeError("vocab_parallel needs torch.distributed and Triton's package, which this install lacks")
     if not isinstance(group, torch.distributed.ProcessGroup):
         raise TypeError(f"vocab_parallel must be a torch.distributed ProcessGroup, got {type(group).__name__}")
     try:
         local, problem = check_local(), None
+        kept = kept() if callable(kept) else kept
     except (ValueError, TypeError) as e:
         local, problem = None, e
     sizes = (0, 0, 0) if local is None else (local.vocab, local.hidden, local.n_rows)

@@ -24,9 +24,10 @@ from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.autograd import first_order_only, scale_formed
 from torch_impl.blocks import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
-from torch_impl.functional import check_target_range, choose_strategy, valid_rows_only
+from torch_impl.functional import check_target_range, choose_strategy, head_slice, valid_rows_only
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import plan_steps
+from torch_impl.vocab_parallel import call_fingerprint
 
 SECOND_ORDER_MESSAGE = "logitless: linear_policy_loss gives first-order gradients only"
 
@@ -48,20 +49,20 @@ class LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, W, b_V, y_N, o: PolicyLossOptions, head: LogProbsOptions, layout: str, plan: BlockPlan, ops,
-                active, form_grads: bool, *tokens):
+                active, split, form_grads: bool, *tokens):
         need = ctx.needs_input_grad[:3]
         valid = y_N != head.ignore_index
         in_forward = form_grads and any(need) and plan.strategy == "speed"
         if in_forward:
             upstream = lambda rs, logp, entropy: _terms(o, tokens, rs, logp, entropy, valid)[1:]
             logp, entropy, *grads = log_probs.forward_with_grads(x_ND, W, b_V, y_N, head, layout, plan, ops, upstream,
-                                                                 need, active)
+                                                                 need, active, split)
             lse = None
         else:
-            logp, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active)
+            logp, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active, split)
             grads = None
         ctx.grads = grads
-        ctx.args = (o, head, layout, plan, ops, active)
+        ctx.args = (o, head, layout, plan, ops, active, split)
         ctx.save_for_backward(x_ND, W, b_V, y_N, logp, entropy, lse, *tokens)
         ctx.set_materialize_grads(False)
         return _terms(o, tokens, slice(None), logp, entropy, valid)[0].sum()
@@ -72,20 +73,20 @@ class LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_loss):
-        none = (None,) * (8 + len(TOKEN_ARGUMENTS))
+        none = (None,) * (9 + len(TOKEN_ARGUMENTS))
         if grad_loss is None:
             return (None, None, None) + none
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass (by the kernels)
             grads, ctx.grads = ctx.grads, None
             return scale_formed(grads, grad_loss, kernels=True) + none
         x_ND, W, b_V, y_N, logp, entropy, lse, *tokens = ctx.saved_tensors
-        o, head, layout, plan, ops, active = ctx.args
+        o, head, layout, plan, ops, active, split = ctx.args
         _, g, g_h = _terms(o, tokens, slice(None), logp, entropy, y_N != head.ignore_index)
         g, g_h = g * grad_loss, None if g_h is None else g_h * grad_loss
         if lse is None:  # a later backward of "speed": the statistics again
-            _, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active)
+            _, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active, split)
         return log_probs.backward(g, g_h, x_ND, W, b_V, y_N, lse, entropy, head, layout, plan, ops,
-                                  ctx.needs_input_grad[:3], active) + none
+                                  ctx.needs_input_grad[:3], active, split) + none
 
 
 def _per_token(name: str, t, shape, input, wide):
@@ -126,6 +127,7 @@ def linear_policy_loss(
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
     tuning: Tuning | None = None,
+    vocab_parallel=None,
 ) -> torch.Tensor:
     """The clipped policy-gradient loss (PPO, GRPO) of the policy softmax(u), u = softcap(input
     @ W^T + b) / temperature, over the tokens `target`, without the N x V logits.
@@ -155,8 +157,9 @@ def linear_policy_loss(
         epsilon_low, epsilon_high, beta, entropy_coef: as in the formula (each >= 0,
             epsilon_low < 1).
         linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
-        accumulate_in_input_dtype, tuning: as for linear_log_probs; "speed" forms the
-        gradients in the forward pass (6 N D V flops, as a loss on materialised logits).
+        accumulate_in_input_dtype, tuning, vocab_parallel: as for linear_log_probs; "speed"
+        forms the gradients in the forward pass (6 N D V flops, as a loss on materialised
+        logits; with vocab_parallel 6 N D V / P on each of the P ranks).
 
     Returns:
         the loss, 0-d, fp32 (fp64 for fp64 input), differentiable in input, linear_weight and
@@ -173,30 +176,48 @@ def linear_policy_loss(
     check_strategy(strategy)
     head = LogProbsOptions(temperature, softcap, ignore_index)
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
-    o.check_references(ref_log_probs)
-    shape = check_inputs(
-        input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
-        weight_dtype=dtype_of(linear_weight), target_shape=tuple(target.shape), target_dtype=dtype_of(target),
-        bias_shape=optional_shape(linear_bias), bias_dtype=dtype_of(linear_bias), weight_layout=weight_layout)
     wide = compute_dtype(input.dtype)
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                  token_weight=token_weight)
-    tokens = {k: _per_token(k, given[k], target.shape, input, wide) for k in TOKEN_ARGUMENTS}
+    tokens = {}
+
+    def checked():
+        """The call's shape, and the per-token tensors into `tokens`; ValueError where either is wrong."""
+        o.check_references(ref_log_probs)
+        shape = check_inputs(
+            input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
+            weight_dtype=dtype_of(linear_weight), target_shape=tuple(target.shape), target_dtype=dtype_of(target),
+            bias_shape=optional_shape(linear_bias), bias_dtype=dtype_of(linear_bias), weight_layout=weight_layout)
+        tokens.update({k: _per_token(k, given[k], target.shape, input, wide) for k in TOKEN_ARGUMENTS})
+        return shape
+
+    split = None
+    if vocab_parallel is not None:
+        # what decides the ranks' blocks and collectives, the same on every rank or an error on all
+        fingerprint = call_fingerprint(o, head, weight_layout, strategy, accumulate_in_input_dtype, tuning, input.dtype,
+                                       linear_bias is None, torch.is_grad_enabled(),
+                                       *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)),
+                                       *(v is None for v in given.values()))
+        split = head_slice(vocab_parallel, checked, input.device, fingerprint, lambda: target.ne(head.ignore_index).sum())
+    shape = checked()
+    vocab = shape.vocab if split is None else split.vocab
+    plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
     y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
-    check_target_range(y_N, shape.vocab, head.ignore_index)
+    check_target_range(y_N, vocab, head.ignore_index)
     valid = y_N != head.ignore_index
     if tokens["token_weight"] is None:
         tokens["token_weight"] = mean_weight(torch, valid, torch.zeros(valid.shape, dtype=wide, device=valid.device))
     x_ND = input.reshape(shape.n_rows, shape.hidden)
-    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, shape.vocab, tuning)
-    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, shape.vocab)
+    chosen = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning)
+    strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x_ND.device)
+    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
     if rows is not None:  # an ignored token adds nothing: the kernels compute only the others
         y_N, tokens = y_N[rows], {k: None if v is None else v[rows] for k, v in tokens.items()}
-    plan, ops = plan_steps(tuning, strategy, y_N.shape[0], shape.hidden, shape.vocab, x_ND.dtype,
+    plan, ops = plan_steps(tuning, strategy, y_N.shape[0], shape.hidden, plan_vocab, x_ND.dtype,
                            accumulate_in_input_dtype, gathered_rows=rows is not None)
     # no gradient formed where none will be asked for (no_grad, inference_mode, no input
     # that requires one): Function.forward always runs with autograd off, so it is told
     form_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                   for t in (input, linear_weight, linear_bias))
     return LinearPolicyLoss.apply(x_ND, linear_weight, dense(linear_bias), y_N, o, head, weight_layout, plan, ops, rows,
-                                  form_grads, *(tokens[k] for k in TOKEN_ARGUMENTS))
+                                  split, form_grads, *(tokens[k] for k in TOKEN_ARGUMENTS))

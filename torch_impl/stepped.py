@@ -53,7 +53,7 @@ def forward(x, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str,
             ops.stats_(blocks.logits(rs, v0, cols), v0, b_V, y_local[rs], m[rs], l[rs], sy[rs], opts.softcap, 1.0,
                        cw_local, ws[rs] if need_ws else None)
     blocks = None
-    (lse,), (sy, ws) = combine_stats([(m, l)], [sy, ws], None if split is None else split.group)
+    (lse,) = combine_stats([(m, l)], [sy, ws], None if split is None else split.group)
     rows = TargetRows(y_N, cw, vocab, opts.ignore_index, wide)
     cw_sum = vocab if cw is None else cw.sum()
     loss = reduce_loss(row_loss(lse, sy, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)

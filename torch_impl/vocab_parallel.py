@@ -103,12 +103,13 @@ def local_targets(y_N, first: int, local_vocab: int):
 
 
 def combine_stats(running, sums, group):
-    """([lse [N] of each running (m, l) pair], [each tensor of `sums` summed]) over all
-    ranks' classes: one all-reduce MAX of the m's, one SUM of the rest (nothing without a
-    group). lse is NaN where any rank's running pair is NaN (a NaN logit, or +inf which
-    makes l NaN), as one process gives: a MAX all-reduce need not keep NaN."""
+    """[lse [N] of each running (m, l) pair] over all ranks' classes, and each tensor of
+    `sums` summed over the ranks in place: one all-reduce MAX of the m's, one SUM of the
+    rest (without a group, this rank's lse and nothing else). lse is NaN where any rank's
+    running pair is NaN (a NaN logit, or +inf which makes l NaN), as one process gives: a
+    MAX all-reduce need not keep NaN."""
     if group is None:
-        return [m + torch.log(l) for m, l in running], list(sums)
+        return [m + torch.log(l) for m, l in running]
     m = torch.stack([m for m, _ in running])
     l = torch.stack([l for _, l in running])
     m_all = m.clone()
@@ -121,11 +122,11 @@ def combine_stats(running, sums, group):
     k = m.numel()
     lse = torch.where(finite, shift + torch.log(flat[:k].view_as(m)), m_all)
     lse = torch.where(flat[k : 2 * k].view_as(m) > 0, torch.full_like(lse, torch.nan), lse)
-    parts, start = [], 2 * k
+    start = 2 * k
     for t in sums:
-        parts.append(flat[start : start + t.numel()].view_as(t))
+        t.copy_(flat[start : start + t.numel()].view_as(t))
         start += t.numel()
-    return list(lse.unbind(0)), parts
+    return list(lse.unbind(0))
 
 
 def gather_rows(x, group, dim: int) -> torch.Tensor:
