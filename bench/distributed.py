@@ -43,7 +43,7 @@ def _ours(strategy: str, group, loss: str, y, vocab: int):
     """fwd+bwd of this rank's slice through `vocab_parallel=group` (None: the whole head, no
     split) for one of LOSSES: (loss, grad_x, grad_W). The top-K teacher (K = 32, random ids
     and log-probabilities), the RL losses' advantages and upstream gradients are drawn once
-    per call of `_ours`, from y's generator state."""
+    per call of `_ours`, from a generator seeded with 0 (the same on every rank)."""
     import torch_impl
 
     gen = torch.Generator(device=y.device).manual_seed(0)

@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, device: str = "cpu")
             got = adapter.run(local, {**options, "vocab_parallel": group}, g_out, g_lse)
             for key, value in got.items():
                 results[f"{case}|{strategy}|{dtype}|{layout}|{key}"] = value
-        results.update(_topk_results(rank, world, group, device))
+        results.update(_distill_results(rank, world, group, device))
         results.update(_rl_results(rank, world, group, device))
         results.update(_sequence_parallel_results(rank, world, group, device))
         if world == 2:
@@ -126,30 +126,39 @@ def _sequence_parallel_results(rank: int, world: int, group, device: str) -> dic
     return results
 
 
-def _topk_cases(world: int):
-    """(name, strategy, dtype) of the top-K distillation cases with a split head."""
-    from tests.distill_frameworks import TOPK_CASES
+def _distill_cases(world: int):
+    """(kind, name, strategy, dtype) of the distillation cases with a split head: every top-K
+    case, and the dense cases whose teacher holds at least the student's classes (cut to
+    them, each rank's slice of both heads the same classes)."""
+    from tests.distill_frameworks import DENSE_CASES, TOPK_CASES
 
-    for name in TOPK_CASES:
-        for strategy in SPLITS[world][1]:
-            for dtype in SPLITS[world][2]:
-                yield name, strategy, dtype
+    dense = [name for name, (_, problem, *_) in DENSE_CASES.items() if problem.get("teacher_vocab", 53) >= 53]
+    for kind, names in (("topk", TOPK_CASES), ("dense", dense)):
+        for name in names:
+            for strategy in SPLITS[world][1]:
+                for dtype in SPLITS[world][2]:
+                    yield kind, name, strategy, dtype
 
 
-def _topk_results(rank: int, world: int, group, device: str) -> dict:
-    """`linear_topk_distillation` with this rank's slice of the head (and bias) and every
-    rank's teacher ids (global), for each top-K case, strategy and dtype."""
+def _distill_results(rank: int, world: int, group, device: str) -> dict:
+    """`linear_topk_distillation` (every rank's teacher ids global) and `linear_distillation`
+    (the teacher's head cut to the student's classes) with this rank's slice of the heads
+    (and bias), for each case, strategy and dtype, ignored rows skipped."""
     from tests.distill_frameworks import case_inputs, run
 
     first, size = sum(SPLITS[world][0][:rank]), SPLITS[world][0][rank]
     results = {}
-    for name, strategy, dtype in _topk_cases(world):
-        p, options, g, count, _ = case_inputs("topk", name, dtype)
+    for kind, name, strategy, dtype in _distill_cases(world):
+        p, options, g, count, _ = case_inputs(kind, name, dtype)
         axis = 0 if p.weight_layout == "VD" else 1
-        local = p.__class__(**{**p.__dict__, "W": _slice(p.W, first, size, axis), "b": _slice(p.b, first, size, 0)})
+        teacher = p.teacher
+        if kind == "dense":
+            teacher = (teacher[0], _slice(teacher[1], first, size, axis))
+        local = p.__class__(**{**p.__dict__, "W": _slice(p.W, first, size, axis), "b": _slice(p.b, first, size, 0),
+                               "teacher": teacher})
         got = run("torch", strategy, local, {**options, "vocab_parallel": group}, g, count, device=device,
                   tuning=SKIPPING)
-        results.update({f"topk|{name}|{strategy}|{dtype}|{key}": value for key, value in got.items()})
+        results.update({f"{kind}|{name}|{strategy}|{dtype}|{key}": value for key, value in got.items()})
     return results
 
 
@@ -280,6 +289,11 @@ def _edge_results(rank: int, group, device: str) -> dict:
     except ValueError as e:
         raised = str(e)
     results = {"edge|raised": np.array(raised)}
+    try:  # a dense teacher's slice of other classes than the student's on rank 1
+        torch_impl.linear_distillation(x, W, x, W[: 5 if rank == 0 else 3], vocab_parallel=group)
+        results["edge|dense_raised"] = np.array("none")
+    except ValueError as e:
+        results["edge|dense_raised"] = np.array(str(e))
     try:  # a call that differs between the ranks (an lse returned on one only) raises on both
         torch_impl.linear_cross_entropy(x, W, y, return_lse=rank == 1, vocab_parallel=group)
         results["edge|differs"] = np.array("none")
@@ -299,6 +313,22 @@ def _edge_results(rank: int, group, device: str) -> dict:
             x, W, y, linear_bias=inf_bias, **common).double().cpu().numpy()
         results[f"edge|topk_nan_loss|{strategy}"] = torch_impl.linear_topk_distillation(
             x, nan_head, ids, logprobs, target=y, **common).double().cpu().numpy()
+        # log-probabilities, entropy and argmax against one process's call on the whole head
+        # (both ranks' slices): maxima tied across the ranks (equal slices), a NaN in rank 1's
+        # slice, rows all -inf (a -inf bias)
+        W_nan = W.clone()
+        W_nan[2, 1] = float("nan")
+        ninf = on(torch.full((5,), -torch.inf))
+        for what, split_head, whole_head, bias in (("ties", W, torch.cat([W, W]), None),
+                                                   ("nan", nan_head, torch.cat([W, W_nan]), None),
+                                                   ("ninf", W, torch.cat([W, W]), ninf)):
+            calls = (("split", dict(linear_weight=split_head, linear_bias=bias, vocab_parallel=group)),
+                     ("whole", dict(linear_weight=whole_head, linear_bias=None if bias is None else torch.cat([bias] * 2))))
+            for name, kwargs in calls:
+                outs = torch_impl.linear_log_probs(x, target=y, return_entropy=True, return_argmax=True, strategy=strategy,
+                                                   tuning=SMALL, temperature=0.7, **kwargs)
+                for key, value in zip(("lp", "entropy", "argmax"), outs):
+                    results[f"edge|lp_{what}|{name}|{key}|{strategy}"] = value.double().cpu().numpy()
     views = dict(input=on(torch.randn(4, 7, generator=gen))[:, 1:].T, linear_weight=on(torch.randn(4, 5, generator=gen)).T,
                  linear_bias=on(torch.randn(1, generator=gen)).expand(5),
                  target=on(torch.tensor([[0, 3, 5, 9, -100, 2]] * 2))[1])
@@ -386,23 +416,24 @@ def test_sequence_parallel_matches_reference(sharded_results):
             assert rel_err(whole("grad_b"), ref.grad_bias) <= tol, where
 
 
-def test_topk_distillation_with_a_split_head_matches_reference(sharded_results):
-    """The top-K distillation loss with the head split over 2 or 4 ranks (uneven slices;
-    teacher ids, duplicates and padding spread over the slices; hard labels, a bias, a
-    softcap, a tail bucket, 3-d rows, the "DV" layout; fp32, and bf16 on 2 ranks): the loss
-    and grad_input on every rank, and the ranks' slices of grad_weight and grad_bias, equal
-    the float64 reference."""
+def test_distillation_with_a_split_head_matches_reference(sharded_results):
+    """The top-K and dense distillation losses with the head (both heads) split over 2 or 4
+    ranks (uneven slices; teacher ids, duplicates and padding spread over the slices; hard
+    labels, a bias, a softcap, a tail bucket, every divergence, a bigger teacher cut to the
+    student's classes, 3-d rows, the "DV" layout; fp32, and bf16 on 2 ranks): the loss and
+    grad_input on every rank, and the ranks' slices of grad_weight and grad_bias, equal the
+    float64 reference."""
     from tests.distill_frameworks import case_inputs, errors
 
     from tests.distill_frameworks import reference as distill_reference
 
     world, ranks = sharded_results
     sizes = SPLITS[world][0]
-    for name, strategy, dtype in _topk_cases(world):
-        p, options, g, count, scale = case_inputs("topk", name, dtype)
+    for kind, name, strategy, dtype in _distill_cases(world):
+        p, options, g, count, scale = case_inputs(kind, name, dtype)
         ref = distill_reference(p, options, g, count)
-        tol, where = tolerance(dtype, scale), f"{world} ranks, {name}, {strategy}, {dtype}"
-        got = lambda r, key: ranks[r][f"topk|{name}|{strategy}|{dtype}|{key}"]
+        tol, where = tolerance(dtype, scale), f"{world} ranks, {kind}, {name}, {strategy}, {dtype}"
+        got = lambda r, key: ranks[r][f"{kind}|{name}|{strategy}|{dtype}|{key}"]
         axis = 0 if p.weight_layout == "VD" else 1
         assert [got(r, "grad_W").shape[axis] for r in range(world)] == list(sizes), where
         for r in range(world):
@@ -461,6 +492,8 @@ def test_one_rank_bad_argument_nan_inf_and_views(sharded_results):
     if world != 2:
         pytest.skip("checked with 2 ranks")
     assert "linear_bias" in str(ranks[1]["edge|raised"]) and "rank(s) [1]" in str(ranks[0]["edge|raised"])
+    dense = [str(ranks[r]["edge|dense_raised"]) for r in range(world)]
+    assert "teacher_weight (3, 4)" in dense[1] and "rank(s) [1]" in dense[0], dense
     assert all("calls differ" in str(ranks[r]["edge|differs"]) for r in range(world))
     for r in range(world):
         for strategy in ("speed", "memory", "chunked"):
@@ -470,6 +503,10 @@ def test_one_rank_bad_argument_nan_inf_and_views(sharded_results):
             for what in ("", "topk_"):
                 views, copies = ranks[r][f"edge|{what}views|{strategy}"], ranks[r][f"edge|{what}copies|{strategy}"]
                 assert rel_err(views, copies) <= 1e-6, (r, strategy, what)
+            for what in ("ties", "nan", "ninf"):  # log-probabilities: the whole head's call in one process
+                for key in ("lp", "entropy", "argmax"):
+                    split, whole = (ranks[r][f"edge|lp_{what}|{name}|{key}|{strategy}"] for name in ("split", "whole"))
+                    np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-6, err_msg=f"{r} {strategy} {what} {key}")
 
 
 def test_dtensor_head_of_rows_split_across_ranks_is_gathered(sharded_results):

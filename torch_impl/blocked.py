@@ -196,8 +196,10 @@ def forward(x, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_no
             for v0, cols in blocks.col_blocks():
                 block_stats_(blocks.logits(rs, v0, cols), v0, b_V, blocks.cw_cols, blocks.y_cols[rs], m[rs], l[rs],
                              sy[rs], ws[rs], opts.softcap, opts.label_smoothing > 0)
-        # every row's losses at once: with a split, one combine of all rows' statistics
-        blocks.losses_(m, l, sy, ws, slice(0, n), lse, loss)
+            if split is None:  # (the first launches the target check, behind the first product)
+                blocks.losses_(m[rs], l[rs], sy[rs], ws[rs], rs, lse[rs], loss[rs])
+        if split is not None:  # one combine of every row's statistics
+            blocks.losses_(m, l, sy, ws, slice(0, n), lse, loss)
     loss = blocks.rows.reduce(blocks.all_rows(loss) if opts.reduction == "none" else loss)
     z = blocks = None  # the logits buffer goes before dW's conversion allocates its result
     if dx is not None and split is not None:

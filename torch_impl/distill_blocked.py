@@ -202,11 +202,16 @@ def _divergence(a, b, o: DenseDistillationOptions):
     return o.beta * a + (1 - o.beta) * b
 
 
-def dense_forward(x_ND, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layout, vocab, plan, ops, num_items,
-                  grads_now=(False, False), active=None):
+def dense_forward(x, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layout, vocab, plan, ops, num_items,
+                  grads_now=(False, False), active=None, split: VocabSplit | None = None):
     """(loss, saved, grads) over the first `vocab` classes of both heads: saved = (lse_s,
     lse_t, b) per row; grads = (dx, dW) for an upstream gradient of 1 if grads_now. active
-    as for topk_forward (valid_N, the losses and saved over its rows)."""
+    as for topk_forward (valid_N, the losses and saved over its rows). split: both heads
+    split over the vocabulary alike (W and Wt this rank's classes): each row block's
+    statistics, then its divergence sums, are combined over the ranks; grad_input is summed
+    over them in fp32."""
+    x_ND = x if split is None else split.whole_rows(x)
+    group = None if split is None else split.group
     student = _head(x_ND, W, None, layout, plan, ops, vocab, active)
     teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab, active)
     n, dev, wide = student.n_rows, x_ND.device, compute_dtype(x_ND.dtype)
@@ -214,7 +219,7 @@ def dense_forward(x_ND, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layo
     loss = torch.empty(n, dtype=wide, device=dev)
     no_y = torch.full((n,), -1, dtype=torch.int64, device=dev)
     in_forward = any(grads_now)
-    dx, _, dW, _ = student.gradient_buffers(*grads_now, False)
+    dx, _, dW, _ = student.gradient_buffers(*grads_now, False, wide_dx=split is not None)
     r_N = row_weights(valid_N, o.reduction, torch.ones((), device=dev), num_items, wide) if in_forward else None
     for rs in student.row_blocks():
         R = rs.stop - rs.start
@@ -224,32 +229,38 @@ def dense_forward(x_ND, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layo
             s, t = student.logits(rs, v0, cols), teacher.logits(rs, v0, cols)
             ops.stats_(s, v0, None, no_y[rs], ms, ls, sy, None, 1.0 / o.temperature)
             ops.stats_(t, v0, None, no_y[rs], mt, lt, sy, None, 1.0 / o.temperature)
-        lse_s[rs], lse_t[rs] = ms + torch.log(ls), mt + torch.log(lt)
+        lse_s[rs], lse_t[rs] = combine_stats([(ms, ls), (mt, lt)], [], group)
         a, b = torch.zeros(R, dtype=wide, device=dev), torch.zeros(R, dtype=wide, device=dev)
         for v0, cols in student.col_blocks():
             if not student.whole_rows:
                 s, t = student.logits(rs, v0, cols), teacher.logits(rs, v0, cols)
             ops.pair_sums_(s, t, lse_s[rs], lse_t[rs], a, b, o)
+        if split is not None:
+            split.sum_([a, b])
         loss[rs], kl_q[rs] = o.scale * _divergence(a, b, o), b
         if in_forward:
             dz = ops.pair_grad(s, t, lse_s[rs], lse_t[rs], b, r_N[rs] * (o.scale / o.temperature), o)
             dx_R = None if dx is None else student.dx_rows(dx, rs)
-            student.add_grads(dz, rs, 0, vocab, dx_R, dW, None)
+            student.add_grads(dz, rs, 0, student.vocab, dx_R, dW, None)
             if dx_R is not None:
                 student.scatter_dx_rows(dx, rs, dx_R)
     total = reduce_rows(loss, valid_N, o.reduction, num_items)
     s = t = dz = student = teacher = None
+    if dx is not None and split is not None:
+        dx = split.sum_grad_input(dx, x)
     return total, (lse_s, lse_t, kl_q), (dx, final_grad(dW, W))
 
 
-def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items, need=(True, True),
-                   active=None):
-    """(dx, dW) recomputing both heads' logits block by block; None where not needed."""
+def dense_backward(grad_loss, x, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items, need=(True, True),
+                   active=None, split: VocabSplit | None = None):
+    """(dx, dW) recomputing both heads' logits block by block; None where not needed; active
+    and split as for dense_forward."""
+    x_ND = x if split is None else split.whole_rows(x)
     student = _head(x_ND, W, None, layout, plan, ops, vocab, active)
     teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab, active)
     lse_s, lse_t, kl_q = saved
     coef_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_s.dtype) * (o.scale / o.temperature)
-    dx, dx_acc, dW, _ = student.gradient_buffers(*need, False)
+    dx, dx_acc, dW, _ = student.gradient_buffers(*need, False, wide_dx=split is not None)
     for rs in student.row_blocks():
         dx_out = dx_rows(student, dx, dx_acc, rs)
         for v0, cols in student.col_blocks():
@@ -258,6 +269,8 @@ def dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, voc
             student.add_grads(dz, rs, v0, cols, dx_out, dW, None, dx_accumulate=dx_acc is not None)
         store_dx_rows(student, dx, dx_acc, dx_out, rs)
     s = t = dz = student = teacher = dx_acc = None
+    if dx is not None and split is not None:
+        dx = split.sum_grad_input(dx, x)
     return dx, final_grad(dW, W)
 
 
@@ -265,16 +278,18 @@ class DenseDistillation(torch.autograd.Function):
     """Over flattened rows: student x [N, D] and W, teacher xt [N, Dt] and Wt (no gradient);
     returns the reduced loss (fp32, fp64 for fp64 inputs). Non-tensor arguments: valid [N],
     options, layout, vocab (min of both), plan, ops, num_items, active (as for
-    TopKDistillation; valid then [A])."""
+    TopKDistillation; valid then [A]), split (both heads split alike, `dense_forward`)."""
 
     @staticmethod
-    def forward(ctx, x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items, active):
+    def forward(ctx, x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items, active, split):
         need = ctx.needs_input_grad[:2]
-        in_forward = any(need) and plan.block_cols >= vocab and o.reduction != "none"
+        # the classes the plan is for: both heads', or a split's largest slice (every rank decides alike)
+        in_forward = any(need) and plan.block_cols >= (vocab if split is None else split.largest) \
+            and o.reduction != "none"
         loss, saved, grads = dense_forward(x_ND, W, xt_ND, Wt, valid_N, o, layout, vocab, plan, ops, num_items,
-                                           need if in_forward else (False, False), active)
+                                           need if in_forward else (False, False), active, split)
         ctx.grads = grads if in_forward else None
-        ctx.args = (valid_N, o, layout, vocab, plan, ops, num_items, active)
+        ctx.args = (valid_N, o, layout, vocab, plan, ops, num_items, active, split)
         ctx.save_for_backward(x_ND, W, xt_ND, Wt, *saved)
         ctx.set_materialize_grads(False)
         return loss
@@ -285,14 +300,14 @@ class DenseDistillation(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_loss):
-        none = (None,) * 10
+        none = (None,) * 11
         if grad_loss is None:
             return (None, None) + none
         x_ND, W, xt_ND, Wt, *saved = ctx.saved_tensors
-        valid_N, o, layout, vocab, plan, ops, num_items, active = ctx.args
+        valid_N, o, layout, vocab, plan, ops, num_items, active, split = ctx.args
         if ctx.grads is not None:  # the first backward of gradients formed in the forward pass
             grads, ctx.grads = ctx.grads, None
             return scale_formed(grads, grad_loss, kernels=ops is not TorchOps) + none
         grads = dense_backward(grad_loss, x_ND, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items,
-                               ctx.needs_input_grad[:2], active)
+                               ctx.needs_input_grad[:2], active, split)
         return tuple(grads) + none

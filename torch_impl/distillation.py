@@ -25,6 +25,20 @@ def _valid(o, shape, target, row_mask, device) -> torch.Tensor:
     return valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, device)
 
 
+def _dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta, temperature,
+                   temperature_squared, reduction, ignore_index, weight_layout, strategy, split: bool):
+    """`distill_ops.dense_checked`; with a split, also that the rank's slices of the two
+    heads are as many classes (ValueError naming both shapes otherwise)."""
+    o, shape = distill_ops.dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask,
+                                         divergence, beta, temperature, temperature_squared, reduction, ignore_index,
+                                         weight_layout, strategy)
+    if split and shape.vocab != shape.teacher_vocab:
+        raise ValueError(f"vocab_parallel: linear_weight {tuple(linear_weight.shape)} and teacher_weight "
+                         f"{tuple(teacher_weight.shape)} must hold the same classes on each rank ({shape.vocab} and "
+                         f"{shape.teacher_vocab} here): cut the teacher's head to the student's classes")
+    return o, shape
+
+
 def _all_rows(loss_A, rows, n: int):
     """Per-row losses of the computed rows [A] as [N], 0 for the others (differentiable)."""
     return loss_A if rows is None else loss_A.new_zeros(n).index_copy(0, rows, loss_A)
@@ -183,6 +197,7 @@ def linear_distillation(
     strategy: str = "auto",
     accumulate_in_input_dtype: bool = False,
     tuning: Tuning | None = None,
+    vocab_parallel=None,
 ):
     """Distillation from a dense teacher, both heads fused: no N x V buffer of either.
 
@@ -197,51 +212,71 @@ def linear_distillation(
         temperature, temperature_squared: see interop.distillation.DenseDistillationOptions.
         reduction: "mean" (over valid rows, or over num_items_in_batch), "sum" or "none".
         strategy, accumulate_in_input_dtype, weight_layout, tuning: as for linear_cross_entropy.
+        vocab_parallel: a process group over which both heads are split by vocabulary, as
+            for linear_cross_entropy: this rank's linear_weight and teacher_weight hold the
+            same contiguous slice of the classes (a teacher with more classes than the
+            student is cut to the student's first); the inputs are the same on every rank.
+            The ranks exchange a few statistics per row, never logits; the loss is global,
+            grad_weight this rank's slice, grad_input the full gradient (all-reduced).
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
 
     Inside torch.compile the call is the custom op ``logitless::linear_distillation`` (as
-    linear_cross_entropy's).
+    linear_cross_entropy's); with vocab_parallel it runs as one eager step (a graph break).
     """
     kwargs = dict(target=target, row_mask=row_mask, divergence=divergence, beta=beta, temperature=temperature,
                   temperature_squared=temperature_squared, reduction=reduction, num_items_in_batch=num_items_in_batch,
                   ignore_index=ignore_index, weight_layout=weight_layout, strategy=strategy,
                   accumulate_in_input_dtype=accumulate_in_input_dtype)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and vocab_parallel is None:
         input, linear_weight, teacher_input, teacher_weight = custom_ops.compiled_call(
             input, dict(linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight),
             dict(target=target, row_mask=row_mask), reduction, num_items_in_batch, linear_weight, teacher_input,
             teacher_weight)
         return distill_ops.linear_distillation(input, linear_weight, teacher_input, teacher_weight, **kwargs,
                                               tuning=check_tuning(tuning))
-    return _dense_eager(input, linear_weight, teacher_input, teacher_weight, **kwargs, tuning=tuning)
+    return _dense_eager(input, linear_weight, teacher_input, teacher_weight, **kwargs, tuning=tuning,
+                        vocab_parallel=vocab_parallel)
 
 
 @torch.compiler.disable
 def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target, row_mask, divergence, beta, temperature,
                  temperature_squared, reduction, num_items_in_batch, ignore_index, weight_layout, strategy,
-                 accumulate_in_input_dtype, tuning):
+                 accumulate_in_input_dtype, tuning, vocab_parallel):
     check_tensors(input, dict(linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight),
                   dict(target=target, row_mask=row_mask))
     input, linear_weight, teacher_input, teacher_weight = autocast_inputs(input, linear_weight, teacher_input, teacher_weight)
     tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
-    o, shape = distill_ops.dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence,
-                                         beta, temperature, temperature_squared, reduction, ignore_index, weight_layout,
-                                         strategy)
+    checked = lambda: _dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence,
+                                     beta, temperature, temperature_squared, reduction, ignore_index, weight_layout,
+                                     strategy, vocab_parallel is not None)
+    split = None
+    if vocab_parallel is not None:
+        # what decides the ranks' blocks and collectives, the same on every rank or an error on all
+        fingerprint = call_fingerprint(
+            divergence, beta, temperature, temperature_squared, reduction, ignore_index, strategy, input.dtype,
+            weight_layout, accumulate_in_input_dtype, tuning, target is None, row_mask is None, torch.is_grad_enabled(),
+            input.requires_grad, linear_weight.requires_grad)
+        split = head_slice(vocab_parallel, lambda: checked()[1], input.device, fingerprint,
+                           lambda: _valid(*checked(), target, row_mask, input.device).sum())
+    o, shape = checked()
     n, dev = shape.n_rows, input.device
-    vocab = min(shape.vocab, shape.teacher_vocab)
+    vocab = min(shape.vocab, shape.teacher_vocab)  # with a split: this rank's slice of both heads'
+    plan_vocab = vocab if split is None else split.largest
     y = None if target is None else dense(target.reshape(n))
     valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
     x_ND = input.reshape(n, shape.hidden)
     xt_ND = teacher_input.reshape(n, shape.teacher_hidden).detach()
-    strategy = choose_strategy(strategy, x_ND, n, shape.hidden, vocab, tuning)
-    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, vocab)
+    chosen = choose_strategy(strategy, x_ND, n, shape.hidden, plan_vocab, tuning)
+    strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, dev)
+    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
     if rows is not None:
         valid = valid.index_select(0, rows)
-    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, vocab, input.dtype, accumulate_in_input_dtype,
-                                  buffers=2, gathered_rows=rows is not None)
+    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
+                           accumulate_in_input_dtype, buffers=2, gathered_rows=rows is not None)
     loss = DenseDistillation.apply(x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid, o, weight_layout, vocab,
-                                   plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev), rows)
+                                   plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev), rows,
+                                   split)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss

@@ -74,8 +74,9 @@ def _combine(running, split: VocabSplit | None, last_class: int):
     a split; else (m, l, a) merged as `steps._merge` merges two column blocks, the largest u
     (a NaN first) and its first global column, and u at the target, in three collectives of
     a few numbers per row (never logits). A NaN or +inf logit on any rank makes the row's m
-    NaN, as on one device. last_class: the global class count (the argmax of a row that is
-    all -inf is column 0, as on one device)."""
+    NaN, as on one device. last_class: the global class count, above any column (some rank
+    always holds the row's largest u; a row all -inf has column 0 on every rank, as on one
+    device)."""
     if split is None:
         return running
     m, l, a, best, idx, u_y = running
@@ -95,7 +96,6 @@ def _combine(running, split: VocabSplit | None, last_class: int):
     mine = torch.where(nan_all > 0, best_nan, best == best_all)
     col = torch.where(mine, idx + split.first, last_class)
     dist.all_reduce(col, op=dist.ReduceOp.MIN, group=split.group)
-    col = torch.where(col == last_class, 0, col)
     best_all = torch.where(nan_all > 0, torch.nan, best_all)
     return m_all, l_all, a_all, best_all, col, u_y_all
 

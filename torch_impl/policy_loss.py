@@ -173,33 +173,36 @@ def linear_policy_loss(
                                                      else {})))
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
-    check_strategy(strategy)
-    head = LogProbsOptions(temperature, softcap, ignore_index)
-    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
     wide = compute_dtype(input.dtype)
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                  token_weight=token_weight)
     tokens = {}
 
     def checked():
-        """The call's shape, and the per-token tensors into `tokens`; ValueError where either is wrong."""
+        """The call's (options, head options, shape), and the per-token tensors into `tokens`;
+        ValueError where any is wrong (with a split, every rank learns of it)."""
+        check_strategy(strategy)
+        head = LogProbsOptions(temperature, softcap, ignore_index)
+        o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
         o.check_references(ref_log_probs)
         shape = check_inputs(
             input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
             weight_dtype=dtype_of(linear_weight), target_shape=tuple(target.shape), target_dtype=dtype_of(target),
             bias_shape=optional_shape(linear_bias), bias_dtype=dtype_of(linear_bias), weight_layout=weight_layout)
         tokens.update({k: _per_token(k, given[k], target.shape, input, wide) for k in TOKEN_ARGUMENTS})
-        return shape
+        return o, head, shape
 
     split = None
     if vocab_parallel is not None:
         # what decides the ranks' blocks and collectives, the same on every rank or an error on all
-        fingerprint = call_fingerprint(o, head, weight_layout, strategy, accumulate_in_input_dtype, tuning, input.dtype,
+        fingerprint = call_fingerprint(epsilon_low, epsilon_high, beta, entropy_coef, temperature, softcap, ignore_index,
+                                       weight_layout, strategy, accumulate_in_input_dtype, tuning, input.dtype,
                                        linear_bias is None, torch.is_grad_enabled(),
                                        *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)),
                                        *(v is None for v in given.values()))
-        split = head_slice(vocab_parallel, checked, input.device, fingerprint, lambda: target.ne(head.ignore_index).sum())
-    shape = checked()
+        split = head_slice(vocab_parallel, lambda: checked()[2], input.device, fingerprint,
+                           lambda: target.ne(checked()[1].ignore_index).sum())
+    o, head, shape = checked()
     vocab = shape.vocab if split is None else split.vocab
     plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
     y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)

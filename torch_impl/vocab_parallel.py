@@ -17,10 +17,12 @@ the same (options, dtypes, which inputs need a gradient, the targets) and so mus
 upstream gradients: "speed" forms the summed gradients in the forward pass, and each rank
 scales them by its own.
 
-The losses run this as a mode of their usual paths: cross-entropy's kernel path
-(`torch_impl.blocked`: with "speed" the gradients formed in the forward pass, 6 N D V / P
-flops per rank) and its fallback (`torch_impl.stepped`), the distillation losses' block
-loops. `VocabSplit` is what those loops need of the split.
+The losses run this as a mode of their usual block loops: cross-entropy's kernel path
+(`torch_impl.blocked`) and its fallback (`torch_impl.stepped`), both distillation losses
+(`torch_impl.distill_blocked`), the log-probabilities and the policy loss
+(`torch_impl.log_probs`, whose statistics add the entropy's and the argmax's). Where "speed"
+forms the gradients in the forward pass it still does (6 N D V / P flops per rank), each
+block of whole rows combined before its dz. `VocabSplit` is what those loops need of the split.
 
 A DTensor head sharded on its vocabulary dimension over a 1-D mesh (what ColwiseParallel
 makes), with an input replicated on that mesh, runs here too: its local slice and the mesh's
@@ -80,6 +82,13 @@ class VocabSplit:
         """(targets as this rank's columns, `local_targets`; its class weights [V_r] or None)."""
         cw = None if cw_V is None else cw_V[self.first : self.first + local_vocab]
         return local_targets(y_N, self.first, local_vocab), cw
+
+    def sum_(self, tensors) -> None:
+        """Each of `tensors` (one dtype) summed over the ranks in place, in one all-reduce."""
+        flat = torch.cat([t.flatten() for t in tensors])
+        dist.all_reduce(flat, group=self.group)
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
 
     def sum_grad_input(self, dx_ND, x) -> torch.Tensor:
         """grad_input of x (this rank's input: all rows, or its part with sequence parallel)
@@ -177,7 +186,7 @@ def vocab_slice(group, local_vocab: int, hidden: int, n_rows: int, device, probl
         raise ValueError(f"vocab_parallel: the arguments of rank(s) {failed} of the group failed their checks")
     if any(row[4:] != table[0][4:] for row in table):
         raise ValueError("vocab_parallel: every rank must make the same call (options, dtypes, which inputs need a "
-                         "gradient, the global targets); the ranks' calls differ")
+                         "gradient, the same global targets); the ranks' calls differ")
     if any(row[1:3] != table[0][1:3] for row in table):
         raise ValueError(f"vocab_parallel: every rank needs the same rows and hidden size; (D, N) by rank: "
                          f"{[tuple(row[1:3]) for row in table]}")
