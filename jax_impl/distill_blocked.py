@@ -24,6 +24,7 @@ from jax_impl.steps import steps_of
 from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, put_entries, reduce_rows, row_weights,
                                    topk_row_terms)
 from jax_impl.rows import compute_dtype, row_loop
+from jax_impl.vocab_parallel import global_lse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +93,13 @@ def _teacher_rows(t: TopKTeacher):
     return (t.ids, t.P, t.logP, t.entry, t.slot, t.bad)
 
 
-def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig, with_grads: bool):
+def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig, with_grads: bool,
+                  axis: str | None = None):
     """(loss, saved = (lse_T, lse_1, s_y, s_ids) per row, grads (dx, dW, db) for an upstream
-    gradient of 1 or None)."""
+    gradient of 1 or None). axis: the shard_map axis of a head split over the vocabulary
+    (W, b this device's classes; teacher ids and y global, read as its columns): each row
+    block's statistics are combined over it before its row terms, and grad_input is summed
+    over it."""
     o, ops, head = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V)
     n, wide, K = x_ND.shape[0], compute_dtype(x_ND.dtype), teacher.ids.shape[1]
     two = o.weight_hard > 0 and o.temperature != 1.0
@@ -108,6 +113,7 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
 
     def row_step(carry, xs):
         x_R, y_R, r_R, ids_R, P_R, logP_R, entry_R, slot_R, bad_R = xs
+        y_R, ids_R = _columns(y_R, cfg, axis), _columns(ids_R, cfg, axis)
         R = x_R.shape[0]
         init = (_running(R, wide), _running(R, wide), jnp.zeros((R, K), wide))
         if with_grads:
@@ -118,6 +124,9 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
             (m, l, sy, _), (m1, l1, _, _), s_ids = head.col_loop(body, init)
         lse_T = m + jnp.log(l)
         lse_1 = m1 + jnp.log(l1) if two else lse_T
+        if axis is not None:  # every device's classes: a pmax and psums of a few numbers per row
+            lse_T, sy, s_ids = global_lse(lse_T, axis), *jax.lax.psum((sy, s_ids), axis)
+            lse_1 = global_lse(lse_1, axis) if two else lse_T
         loss_R, A, C = topk_row_terms(s_ids, lse_T, lse_1, sy, P_R, logP_R, entry_R, bad_R, o)
         outs = (loss_R, lse_T, lse_1, sy, s_ids)
         if not with_grads:
@@ -126,7 +135,7 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
         dz = ops.grad(z, 0, b_V, y_R, o.softcap, inv_t, lse_T, g.p1, g.ty, g.second)
         dz = put_entries(dz, 0, ids_R, g.at_ids)
         dW, db, dx_R = head.add_shares(dz, x_R, 0, cfg.vocab, *carry, jnp.zeros(x_R.shape, wide))
-        return (dW, db), outs + (dx_R.astype(x_R.dtype),)
+        return (dW, db), outs + (dx_R if axis is not None else dx_R.astype(x_R.dtype),)
 
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
     per_row = (x_ND, y_N, r_N) + _teacher_rows(teacher)
@@ -136,15 +145,32 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
     if not with_grads:
         return loss, outs[1:5], None
     dW, db = carry
-    return loss, outs[1:5], (outs[5], _final(dW, W), _final(db, b_V))
+    return loss, outs[1:5], (_summed(outs[5], x_ND, axis), _final(dW, W), _final(db, b_V))
 
 
-def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, saved, cfg: DistillConfig):
+def _columns(c, cfg: DistillConfig, axis: str | None):
+    """Class ids (targets, teacher ids; -1: none) as the steps read them: themselves, or on a
+    head split along `axis` this device's columns (-1 where another device holds the class).
+    Taken inside the row steps, so that the rows' outputs stay the same on every device."""
+    if axis is None:
+        return c
+    first = jax.lax.axis_index(axis) * cfg.vocab
+    return jnp.where((c >= first) & (c < first + cfg.vocab), c - first, -1).astype(c.dtype)
+
+
+def _summed(dx, x_ND, axis: str | None):
+    """grad_input in x's dtype: with an axis, every device's share summed over it first."""
+    return (dx if axis is None else jax.lax.psum(dx, axis)).astype(x_ND.dtype)
+
+
+def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, saved, cfg: DistillConfig,
+                   axis: str | None = None):
     o, ops, head = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V)
     n, wide = x_ND.shape[0], compute_dtype(x_ND.dtype)
 
     def row_step(carry, xs):
         x_R, y_R, r_R, lse_T, lse_1, s_y, s_ids, ids_R, P_R, logP_R, entry_R, slot_R, bad_R = xs
+        y_R, ids_R = _columns(y_R, cfg, axis), _columns(ids_R, cfg, axis)
         _, A, C = topk_row_terms(s_ids, lse_T, lse_1, s_y, P_R, logP_R, entry_R, bad_R, o)
         g = TopKGradRows.build(r_R, A, C, s_ids, lse_T, lse_1, ids_R, slot_R, y_R, o)
 
@@ -154,27 +180,29 @@ def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num
             return head.add_shares(put_entries(dz, v0, ids_R, g.at_ids), x_R, v0, cols, *c)
 
         dW, db, dx_R = head.col_loop(body, carry + (jnp.zeros(x_R.shape, wide),))
-        return (dW, db), (dx_R.astype(x_R.dtype),)
+        return (dW, db), (dx_R if axis is not None else dx_R.astype(x_R.dtype),)
 
     r_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide)
     per_row = (x_ND, y_N, r_N) + tuple(saved) + _teacher_rows(teacher)
     (dW, db), (dx,) = row_loop(row_step, _grad_buffers(cfg, W, b_V is not None), per_row, n, cfg.block_rows)
-    return dx, _final(dW, W), _final(db, b_V)
+    return _summed(dx, x_ND, axis), _final(dW, W), _final(db, b_V)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def topk_distillation(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def topk_distillation(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig,
+                      axis: str | None = None):
     """The reduced top-K loss over flattened rows (x [N, D], y [N] int32 with -1 for no
-    target, valid [N], num_items None or a 0-d array); fp32 (fp64 for fp64 inputs)."""
-    return _topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, with_grads=False)[0]
+    target, valid [N], num_items None or a 0-d array); fp32 (fp64 for fp64 inputs). axis:
+    as for `_topk_forward`."""
+    return _topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, False, axis)[0]
 
 
-def _topk_fwd(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg):
+def _topk_fwd(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, axis):
     args = (teacher, y_N, valid_N, num_items)
     if cfg.grads_in_forward:
-        loss, _, grads = _topk_forward(x_ND, W, b_V, *args, cfg, with_grads=True)
+        loss, _, grads = _topk_forward(x_ND, W, b_V, *args, cfg, True, axis)
         return loss, (True, grads)
-    loss, saved, _ = _topk_forward(x_ND, W, b_V, *args, cfg, with_grads=False)
+    loss, saved, _ = _topk_forward(x_ND, W, b_V, *args, cfg, False, axis)
     return loss, (False, (x_ND, W, b_V, args, saved))
 
 
@@ -182,12 +210,12 @@ def _scaled(grads, g):
     return tuple(None if a is None else (a * g.astype(jnp.float32)).astype(a.dtype) for a in grads)
 
 
-def _topk_bwd(cfg, res, g_loss):
+def _topk_bwd(cfg, axis, res, g_loss):
     in_forward, payload = res
     if in_forward:
         return _scaled(payload, g_loss) + (None,) * 4
     x_ND, W, b_V, (teacher, y_N, valid_N, num_items), saved = payload
-    return _topk_backward(g_loss, x_ND, W, b_V, teacher, y_N, valid_N, num_items, saved, cfg) + (None,) * 4
+    return _topk_backward(g_loss, x_ND, W, b_V, teacher, y_N, valid_N, num_items, saved, cfg, axis) + (None,) * 4
 
 
 topk_distillation.defvjp(_topk_fwd, _topk_bwd)

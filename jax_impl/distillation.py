@@ -15,7 +15,8 @@ from interop.options import check_reduction, check_strategy, check_tuning, targe
 from interop.tuning import Tuning
 from jax_impl.distill_blocked import dense_distillation, plan_distillation, topk_distillation
 from jax_impl.distill_rows import TopKTeacher, valid_rows
-from jax_impl.functional import as_array, choose_strategy, denominator, dtype_name, maybe_array, platform_of, shape_of
+from jax_impl.functional import (as_array, choose_strategy, denominator, dtype_name, maybe_array, platform_of, shape_of,
+                                 whole_vocab)
 from jax_impl.rows import compute_dtype, narrow_indices, narrow_targets
 from jax_impl.sharding import on_mesh, row_spec
 
@@ -40,7 +41,7 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
                              weight_hard: float = 0.0, reduction: str = "mean", num_items_in_batch=None,
                              ignore_index: int | None = -100, softcap: float | None = None, weight_layout: str = "VD",
                              strategy: str = "auto", accumulate_in_input_dtype: bool = False,
-                             tuning: Tuning | None = None):
+                             tuning: Tuning | None = None, vocab_parallel: str | None = None):
     """Distillation from a top-K sparse teacher, fused with the student's head.
 
     The arguments of `torch_impl.linear_topk_distillation` (interop/SPEC-DISTILLATION.md):
@@ -50,7 +51,9 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
     linear_weight and linear_bias (`jax.custom_vjp`), usable under `jax.jit`, where a
     teacher id >= V (or, with weight_hard > 0, a target out of range) gives its row a NaN
     loss instead of the eager call's ValueError. Arrays, meshes and second derivatives as
-    for `jax_impl.linear_cross_entropy`.
+    for `jax_impl.linear_cross_entropy`. vocab_parallel: inside `jax.shard_map`, the mesh
+    axis over which the head is split by vocabulary (equal slices in the axis' order; teacher
+    ids, targets and inputs the same on every device), as for `jax_impl.linear_cross_entropy`.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -71,7 +74,8 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
         target_dtype=dtype_name(target), bias_shape=shape_of(linear_bias), bias_dtype=dtype_name(linear_bias),
         row_mask_shape=shape_of(row_mask), row_mask_dtype=dtype_name(row_mask), weight_layout=weight_layout,
         weight_hard=o.weight_hard)
-    n, V, K = shape.n_rows, shape.vocab, shape.k
+    n, K, local_vocab = shape.n_rows, shape.k, shape.vocab
+    V = local_vocab if vocab_parallel is None else whole_vocab(linear_weight, weight_layout, vocab_parallel)
     wide_ids = teacher_ids.reshape(n, K)
     bad_id = wide_ids >= V
     _raise_if_concrete(bad_id, wide_ids, lambda i: teacher_id_out_of_range_message(i, V))
@@ -87,16 +91,20 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
         y_kernel = jnp.where(valid & ~bad_y, y, -1)
     wide = compute_dtype(input.dtype)
     platform = platform_of(input)
-    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, V, platform, tuning)
-    cfg = plan_distillation(tuning, o, weight_layout, strategy, n, shape.hidden, V, input.dtype, accumulate_in_input_dtype, platform)
+    strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
+    cfg = plan_distillation(tuning, o, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
+                            accumulate_in_input_dtype, platform)
     num_items = denominator(num_items_in_batch, wide)
 
     def rows(x, W, b, ids, logprobs, bad, valid, y_kernel, num_items):
         teacher = TopKTeacher.build(ids, logprobs.reshape(n, K), o.renormalize_teacher, wide, bad & valid)
-        loss = topk_distillation(x.reshape(n, shape.hidden), W, b, teacher, y_kernel, valid, num_items, cfg)
+        loss = topk_distillation(x.reshape(n, shape.hidden), W, b, teacher, y_kernel, valid, num_items, cfg,
+                                 vocab_parallel)
         return loss.reshape(shape.lead_shape) if reduction == "none" else loss
 
     args = (input, linear_weight, linear_bias, ids, teacher_logprobs, bad, valid, y_kernel, num_items)
+    if vocab_parallel is not None:  # inside shard_map: the device's own operands
+        return rows(*args)
     return on_mesh(rows, args, _rows_out_specs(input, reduction))
 
 

@@ -34,7 +34,7 @@ def _split(y_N, cw_V, local_vocab: int, axis: str):
     return y_local, cw_local, local_vocab * jax.lax.psum(1, axis)
 
 
-def _global_lse(lse_local, axis: str):
+def global_lse(lse_local, axis: str):
     """logsumexp over the axis of each device's lse; NaN where any device's is NaN."""
     m = jax.lax.pmax(lse_local, axis)
     shift = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -56,7 +56,7 @@ def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str):
     """(loss, lse [N]) of this device's slice of the head, combined over `axis`."""
     prob, y_local, rows, cw_sum, vocab = _problem(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     lse_local, s_y, ws = blocked.row_statistics(prob, x_ND, y_local)
-    lse = _global_lse(lse_local, axis)
+    lse = global_lse(lse_local, axis)
     s_y, ws = jax.lax.psum((s_y, ws), axis)
     opts = cfg.options
     return reduce_loss(row_loss(lse, s_y, ws, rows, opts, cw_sum, vocab), rows, opts.reduction), lse

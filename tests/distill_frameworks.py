@@ -170,11 +170,11 @@ DENSE_CASES = {
 CASES = {**{("topk", k): v for k, v in TOPK_CASES.items()}, **{("dense", k): v for k, v in DENSE_CASES.items()}}
 
 
-def case_inputs(kind, name, dtype):
+def case_inputs(kind, name, dtype, vocab: int = 53):
     """(problem, options, grad_output, num_items_in_batch, logit scale) of a CASES case."""
     options, problem, *count = CASES[(kind, name)]
     seed = zlib.crc32(f"{kind}{name}{dtype}".encode())
-    p = make_problem(kind, seed, dtype=dtype, **problem)
+    p = make_problem(kind, seed, dtype=dtype, vocab=vocab, **problem)
     rng = np.random.default_rng(seed)
     g = rng.standard_normal(p.x.shape[:-1]) if options.get("reduction") == "none" else rng.uniform(0.5, 2.0)
     # logits of the student (and the dense teacher, 1.5x) divided by T: the scale of what is rounded

@@ -730,25 +730,35 @@ print("done")
 """
 
 
-JAX_RL_SCRIPT = r"""
+JAX_SPLIT_SCRIPT = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
 import jax_impl
 from tests import test_log_probs, test_policy_loss
 from tests.frameworks import SMALL
-from tests.test_vocab_parallel import jax_rl_cases
+from tests.test_vocab_parallel import jax_split_cases
 
 mesh = jax.make_mesh(tuple(int(k) for k in sys.argv[2].split(",")), ("dp", "tp"),
                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
 out = {}
-for key, kind, strategy, p, options, upstream in jax_rl_cases():
-    layout, y = p.weight_layout, jnp.asarray(p.y.astype(np.int32))
+for key, kind, strategy, p, options, upstream in jax_split_cases():
+    layout, y = p.weight_layout, None if p.y is None else jnp.asarray(p.y.astype(np.int32))
     lead = (None,) * (p.x.ndim - 1)
     specs = (P(*lead, None), P("tp", None) if layout == "VD" else P(None, "tp")) + ((P("tp"),) if p.b is not None else ())
     args = [jnp.asarray(a, jnp.float32) for a in (p.x, p.W, p.b) if a is not None]
     call = dict(weight_layout=layout, strategy=strategy, tuning=SMALL, vocab_parallel="tp", **options)
-    if kind == "log_probs":
+    if kind == "topk":
+        ids, lp = (jnp.asarray(a) for a in p.teacher)
+        extra = dict(target=None if p.y is None else jnp.asarray(p.y.astype(np.int32)),
+                     row_mask=None if p.mask is None else jnp.asarray(p.mask), num_items_in_batch=upstream[1])
+        local = lambda x, W, b=None: jax_impl.linear_topk_distillation(x, W, ids, lp, linear_bias=b, **call, **extra)
+        none = options.get("reduction") == "none"
+        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(*lead) if none else P(), check_vma=True)
+        loss, vjp = jax.vjp(f, *args)
+        grads = vjp(jnp.asarray(upstream[0], jnp.float32))
+        out[key + "|loss"] = loss
+    elif kind == "log_probs":
         local = lambda x, W, b=None: jax_impl.linear_log_probs(x, W, y, linear_bias=b, return_entropy=True,
                                                                return_argmax=True, **call)
         f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(*lead),) * 3, check_vma=True)
@@ -768,12 +778,18 @@ print("done")
 """
 
 
-def jax_rl_cases():
-    """(key, kind, strategy, problem, options, upstream) of the JAX RL losses' split-head
-    tests: every `linear_log_probs` and `linear_policy_loss` test case, fp32, 52 classes
-    (equal slices on 2 devices)."""
+def jax_split_cases():
+    """(key, kind, strategy, problem, options, upstream) of the JAX split-head tests: every
+    top-K distillation (upstream: the loss's gradient and num_items_in_batch),
+    `linear_log_probs` and `linear_policy_loss` test case, fp32, 52 classes (equal slices
+    on 2 devices)."""
     from tests import test_log_probs, test_policy_loss
+    from tests.distill_frameworks import TOPK_CASES, case_inputs
 
+    for case in TOPK_CASES:
+        for strategy in ("speed", "memory", "chunked"):
+            p, options, g, count, _ = case_inputs("topk", case, "float32", vocab=52)
+            yield f"topk|{case}|{strategy}", "topk", strategy, p, options, (g, count)
     for kind, module in (("log_probs", test_log_probs), ("policy", test_policy_loss)):
         for case in module.CASES:
             for strategy in ("speed", "memory", "chunked"):
@@ -818,20 +834,27 @@ def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
 
 
 @pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=MULTI_GPU)])
-def test_jax_log_probs_and_policy_loss_in_shard_map_match_reference(tmp_path, devices):
+def test_jax_split_heads_in_shard_map_match_reference(tmp_path, devices):
     """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode) or of 2 GPUs:
-    `linear_log_probs` (log-probabilities, entropy, argmax and both upstream gradients) and
-    `linear_policy_loss` inside jax.shard_map (check_vma=True) with the head split over "tp",
-    every test case and strategy: the float64 reference's outputs and gradients."""
+    `linear_topk_distillation`, `linear_log_probs` (log-probabilities, entropy, argmax and
+    both upstream gradients) and `linear_policy_loss` inside jax.shard_map (check_vma=True)
+    with the head split over "tp", every test case and strategy: the float64 reference's
+    outputs and gradients."""
     from tests import test_log_probs, test_policy_loss
+    from tests.distill_frameworks import errors
+    from tests.distill_frameworks import reference as distill_reference
 
     mesh = "2,2" if devices == "cpu" else "1,2"
-    done = _jax_process(["-c", JAX_RL_SCRIPT, str(tmp_path / "rl.npz"), mesh], devices, timeout=900)
+    done = _jax_process(["-c", JAX_SPLIT_SCRIPT, str(tmp_path / "rl.npz"), mesh], devices, timeout=900)
     assert done.returncode == 0 and "done" in done.stdout, done.stderr[-4000:]
     got = dict(np.load(tmp_path / "rl.npz"))
-    for key, kind, strategy, p, options, upstream in jax_rl_cases():
-        module = test_log_probs if kind == "log_probs" else test_policy_loss
+    for key, kind, strategy, p, options, upstream in jax_split_cases():
         mine = {name.rsplit("|", 1)[1]: value for name, value in got.items() if name.startswith(key + "|")}
+        if kind == "topk":
+            for what, err in errors(mine, distill_reference(p, options, *upstream)).items():
+                assert err <= tolerance("float32"), (key, what, err)
+            continue
+        module = test_log_probs if kind == "log_probs" else test_policy_loss
         module.check(mine, module._reference(p, options, *upstream), "float32", p.logit_scale, key)
 
 
