@@ -8,7 +8,8 @@ pmax and psums of a few floats per row (never logits) into the global lse, the t
 logit and the class-weighted sum, and the backward pass recomputes each device's logits into
 its dz (`blocked.gradients`: the kernels' steps, or jax.numpy's for "chunked"), giving its
 slice of grad_weight and grad_bias and, summed over the axis, the full grad_input. The forward pass computes statistics only, the backward pass
-recomputes the logits (8 N D V / P flops per device).
+recomputes the logits (8 N D V / P flops per device). The other losses split their heads in
+their own row loops (`jax_impl.distill_blocked`, `jax_impl.log_probs`), with `global_lse`.
 """
 
 from __future__ import annotations

@@ -214,8 +214,9 @@ def linear_distillation(
         strategy, accumulate_in_input_dtype, weight_layout, tuning: as for linear_cross_entropy.
         vocab_parallel: a process group over which both heads are split by vocabulary, as
             for linear_cross_entropy: this rank's linear_weight and teacher_weight hold the
-            same contiguous slice of the classes (a teacher with more classes than the
-            student is cut to the student's first); the inputs are the same on every rank.
+            same contiguous slice of the classes (cut a teacher with more classes than the
+            student to the student's first: other slices raise); the inputs are the same on
+            every rank.
             The ranks exchange a few statistics per row, never logits; the loss is global,
             grad_weight this rank's slice, grad_input the full gradient (all-reduced).
 
