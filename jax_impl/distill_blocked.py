@@ -24,7 +24,7 @@ from jax_impl.steps import steps_of
 from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, put_entries, reduce_rows, row_weights,
                                    topk_row_terms)
 from jax_impl.rows import compute_dtype, row_loop
-from jax_impl.vocab_parallel import global_lse
+from jax_impl.vocab_parallel import global_lse, local_columns, summed_grad_input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
 
     def row_step(carry, xs):
         x_R, y_R, r_R, ids_R, P_R, logP_R, entry_R, slot_R, bad_R = xs
-        y_R, ids_R = _columns(y_R, cfg, axis), _columns(ids_R, cfg, axis)
+        y_R, ids_R = local_columns(y_R, cfg.vocab, axis), local_columns(ids_R, cfg.vocab, axis)
         R = x_R.shape[0]
         init = (_running(R, wide), _running(R, wide), jnp.zeros((R, K), wide))
         if with_grads:
@@ -145,22 +145,7 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
     if not with_grads:
         return loss, outs[1:5], None
     dW, db = carry
-    return loss, outs[1:5], (_summed(outs[5], x_ND, axis), _final(dW, W), _final(db, b_V))
-
-
-def _columns(c, cfg: DistillConfig, axis: str | None):
-    """Class ids (targets, teacher ids; -1: none) as the steps read them: themselves, or on a
-    head split along `axis` this device's columns (-1 where another device holds the class).
-    Taken inside the row steps, so that the rows' outputs stay the same on every device."""
-    if axis is None:
-        return c
-    first = jax.lax.axis_index(axis) * cfg.vocab
-    return jnp.where((c >= first) & (c < first + cfg.vocab), c - first, -1).astype(c.dtype)
-
-
-def _summed(dx, x_ND, axis: str | None):
-    """grad_input in x's dtype: with an axis, every device's share summed over it first."""
-    return (dx if axis is None else jax.lax.psum(dx, axis)).astype(x_ND.dtype)
+    return loss, outs[1:5], (summed_grad_input(outs[5], x_ND, axis), _final(dW, W), _final(db, b_V))
 
 
 def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, saved, cfg: DistillConfig,
@@ -170,7 +155,7 @@ def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num
 
     def row_step(carry, xs):
         x_R, y_R, r_R, lse_T, lse_1, s_y, s_ids, ids_R, P_R, logP_R, entry_R, slot_R, bad_R = xs
-        y_R, ids_R = _columns(y_R, cfg, axis), _columns(ids_R, cfg, axis)
+        y_R, ids_R = local_columns(y_R, cfg.vocab, axis), local_columns(ids_R, cfg.vocab, axis)
         _, A, C = topk_row_terms(s_ids, lse_T, lse_1, s_y, P_R, logP_R, entry_R, bad_R, o)
         g = TopKGradRows.build(r_R, A, C, s_ids, lse_T, lse_1, ids_R, slot_R, y_R, o)
 
@@ -185,7 +170,7 @@ def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num
     r_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide)
     per_row = (x_ND, y_N, r_N) + tuple(saved) + _teacher_rows(teacher)
     (dW, db), (dx,) = row_loop(row_step, _grad_buffers(cfg, W, b_V is not None), per_row, n, cfg.block_rows)
-    return _summed(dx, x_ND, axis), _final(dW, W), _final(db, b_V)
+    return summed_grad_input(dx, x_ND, axis), _final(dW, W), _final(db, b_V)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))

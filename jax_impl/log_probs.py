@@ -29,6 +29,7 @@ from jax_impl.functional import (as_array, check_target_range, choose_strategy, 
 from jax_impl.log_probs_kernels import NO_COLUMN
 from jax_impl.rows import compute_dtype, narrow_targets, row_loop
 from jax_impl.sharding import on_mesh, row_spec
+from jax_impl.vocab_parallel import local_columns, summed_grad_input
 
 
 def _running(R: int, wide):
@@ -63,15 +64,6 @@ def _combine(running, cfg: DistillConfig, axis: str | None):
     return m_all, l_all, a_all, jnp.where(nan_all > 0, jnp.nan, best_all), col, u_y_all
 
 
-def _columns(y_N, cfg: DistillConfig, axis: str | None):
-    """The targets as the steps read them: y, or on a head split along `axis` this device's
-    columns (-1 where another device holds the class)."""
-    if axis is None:
-        return y_N
-    first = jax.lax.axis_index(axis) * cfg.vocab
-    return jnp.where((y_N >= first) & (y_N < first + cfg.vocab), y_N - first, -1).astype(y_N.dtype)
-
-
 def _classes(cfg: DistillConfig, axis: str | None) -> int:
     """The whole head's classes: cfg.vocab, times the axis' size on a split head."""
     return cfg.vocab if axis is None else cfg.vocab * jax.lax.psum(1, axis)
@@ -95,12 +87,6 @@ def _upstream(g, y_N, cfg: DistillConfig, wide, axis: str | None = None):
     return jnp.where(valid, jnp.where(in_range, g.astype(wide), jnp.nan), 0)
 
 
-def _summed(dx, x_ND, axis: str | None):
-    """grad_input in x's dtype: on a split head, every device's share (in the compute
-    dtype) summed over the axis first, then rounded once."""
-    return (dx if axis is None else jax.lax.psum(dx, axis)).astype(x_ND.dtype)
-
-
 def forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None, axis: str | None = None):
     """(log_probs, entropy, argmax, lse), per row; keep: bool [N], the only rows computed
     (`jax_impl.rows.row_loop`; the others' outputs are 0), or None. axis: the shard_map axis
@@ -109,7 +95,7 @@ def forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None, axis: str | None =
 
     def row_step(carry, xs):
         x_R, y_R = xs
-        y_cols = _columns(y_R, cfg, axis)
+        y_cols = local_columns(y_R, cfg.vocab, axis)
         running = head.col_loop(
             lambda v0, cols, run: ops.log_prob_stats(head.logits(x_R, head.head_cols(v0, cols)), v0, b_V, y_cols, run,
                                                      o.softcap, 1.0 / o.temperature), _running(x_R.shape[0], wide))
@@ -129,7 +115,7 @@ def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream,
 
     def row_step(carry, xs):
         x_R, y_R, *rest = xs
-        y_cols = _columns(y_R, cfg, axis)
+        y_cols = local_columns(y_R, cfg.vocab, axis)
         z = head.logits(x_R, head.head_cols(0, cfg.vocab))
         running = ops.log_prob_stats(z, 0, b_V, y_cols, _running(x_R.shape[0], wide), o.softcap, 1.0 / o.temperature)
         logp, entropy, _, lse = _outputs(running, y_R, cfg, axis)
@@ -142,7 +128,7 @@ def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream,
     init = (jnp.zeros(W.shape, cfg.accumulate_dtype(W.dtype)), None if b_V is None else jnp.zeros(b_V.shape, wide))
     (dW, db), (logp, entropy, dx) = row_loop(row_step, init, (x_ND, y_N) + tuple(per_row), x_ND.shape[0],
                                              cfg.block_rows, keep)
-    return logp, entropy, _summed(dx, x_ND, axis), dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype)
+    return logp, entropy, summed_grad_input(dx, x_ND, axis), dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -173,7 +159,7 @@ def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=N
     def row_step(carry, xs):
         x_R, y_R, lse_R, entropy_R, g_R, *g_h = xs
         g_h_R = g_h[0] if g_h else None
-        y_cols = _columns(y_R, cfg, axis)
+        y_cols = local_columns(y_R, cfg.vocab, axis)
 
         def body(v0, cols, c):
             dz = ops.log_prob_grad(head.logits(x_R, head.head_cols(v0, cols)), v0, b_V, y_cols, lse_R, entropy_R,
@@ -187,7 +173,7 @@ def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=N
     per_row = (x_ND, y_N, lse, entropy, g_lp) + (() if g_H is None else (g_H.astype(wide),))
     (dW, db), (dx,) = row_loop(row_step, (jnp.zeros(W.shape, cfg.accumulate_dtype(W.dtype)), db), per_row,
                                x_ND.shape[0], cfg.block_rows, keep)
-    return _summed(dx, x_ND, axis), dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype)
+    return summed_grad_input(dx, x_ND, axis), dW.astype(W.dtype), None if db is None else db.astype(b_V.dtype)
 
 
 log_probs.defvjp(_fwd, _bwd)

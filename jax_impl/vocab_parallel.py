@@ -25,12 +25,29 @@ from jax_impl.blocked import BlockedConfig
 from jax_impl.rows import TargetRows, reduce_loss, row_coefficients, row_loss
 
 
+def local_columns(c, local_vocab: int, axis: str | None):
+    """Class ids (targets, teacher ids; -1: none) as a split head's row steps read them:
+    this device's columns, -1 where another device holds the class; themselves without an
+    axis. Taken inside a row loop's step, the loop's per-row outputs stay the same on every
+    device (`jax_impl.rows.row_loop` types them from its operands)."""
+    if axis is None:
+        return c
+    first = jax.lax.axis_index(axis) * local_vocab
+    return jnp.where((c >= first) & (c < first + local_vocab), c - first, -1).astype(c.dtype)
+
+
+def summed_grad_input(dx, x_ND, axis: str | None):
+    """grad_input in x's dtype: on a split head, every device's share (in the compute dtype)
+    summed over the axis first, then rounded once (one share can be much larger than the
+    sum)."""
+    return (dx if axis is None else jax.lax.psum(dx, axis)).astype(x_ND.dtype)
+
+
 def _split(y_N, cw_V, local_vocab: int, axis: str):
     """(targets as this device's column indices, -1 where another device holds the class;
     this device's class weights or None; the whole head's V)."""
     first = jax.lax.axis_index(axis) * local_vocab
-    mine = (y_N >= first) & (y_N < first + local_vocab)
-    y_local = jnp.where(mine, y_N - first, -1).astype(jnp.int32)
+    y_local = local_columns(y_N, local_vocab, axis).astype(jnp.int32)
     cw_local = None if cw_V is None else jax.lax.dynamic_slice_in_dim(cw_V, first, local_vocab)
     return y_local, cw_local, local_vocab * jax.lax.psum(1, axis)
 
@@ -87,7 +104,7 @@ def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse, cfg: BlockedConfig, ax
     # grad_input summed over the axis in fp32 and rounded once: one device's share can be much
     # larger than the sum (the target's -W_y on one device, p W on the others)
     dx, dW, db = blocked.gradients(prob, x_ND, y_local, lse, coefs, dx_dtype=prob.wide)
-    return jax.lax.psum(dx, axis).astype(x_ND.dtype), dW, db
+    return summed_grad_input(dx, x_ND, axis), dW, db
 
 
 vocab_parallel_cross_entropy.defvjp(_fwd, _bwd)
