@@ -19,10 +19,12 @@ import jax.numpy as jnp
 from interop.blocking import block_shape, chunk_rows
 from interop.distillation import DenseDistillationOptions
 from interop.tuning import Tuning
+from jax_impl import partitioned
 from jax_impl.blocked import Head
+from jax_impl.partitioned import Axes, Layout
 from jax_impl.steps import steps_of
-from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, put_entries, reduce_rows, row_weights,
-                                   topk_row_terms)
+from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, global_denominator, put_entries, reduce_rows,
+                                   row_weights, topk_row_terms)
 from jax_impl.rows import compute_dtype, row_loop
 from jax_impl.vocab_parallel import global_lse, local_columns, summed_grad_input
 
@@ -52,6 +54,12 @@ class DistillConfig:
         logits = compute_dtype(x.dtype) if self.ops.compute_logits else None
         return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits)
 
+    def local(self, n_rows: int, vocab: int) -> "DistillConfig":
+        """The plan for a device's rows and classes (`jax_impl.partitioned`): the same blocks,
+        at most its rows, whole rows staying whole."""
+        cols = vocab if self.block_cols >= self.vocab else min(self.block_cols, vocab)
+        return dataclasses.replace(self, block_rows=min(self.block_rows, n_rows), block_cols=cols, vocab=vocab)
+
     def accumulate_dtype(self, dtype):
         if self.accumulate_in_input_dtype or self.strategy == "memory":
             return dtype
@@ -68,6 +76,10 @@ def plan_distillation(t: Tuning, options, weight_layout, strategy, n_rows, hidde
         rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize, buffers)
     return DistillConfig(options, weight_layout, strategy, rows, cols, vocab, accumulate_in_input_dtype,
                          interpret=platform != "gpu")
+
+
+def _vocab(W, cfg: DistillConfig) -> int:
+    return W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
 
 
 def _running(R: int, dtype):
@@ -173,21 +185,60 @@ def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num
     return summed_grad_input(dx, x_ND, axis), _final(dW, W), _final(db, b_V)
 
 
+def _topk_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
+    """The top-K passes' operands after `head` (the upstream gradient's factors, or none):
+    x, W, b, the teacher's entries (`_teacher_rows`), y, valid, num_items; outputs named,
+    "W" for W's factors."""
+    w = "v d" if cfg.weight_layout == "VD" else "d v"
+    operands = head + ("n d", w, "v", "n k", "n k", "n k", "n k", "n k", "n", "n", "n", "")
+    return Layout(operands, tuple(w if o == "W" else o for o in outputs))
+
+
+def _topk_forward_pass(static, axes: Axes, x_ND, W, b_V, *rows):
+    cfg, with_grads = static
+    *teacher, y_N, valid_N, num_items = rows
+    cfg = cfg.local(x_ND.shape[0], _vocab(W, cfg))
+    loss, saved, grads = _topk_forward(x_ND, W, b_V, TopKTeacher(*teacher), y_N, valid_N, num_items, cfg, with_grads,
+                                       axes.vocab)
+    return (loss, *saved, *(grads or (None,) * 3))
+
+
+def _topk_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, *saved_and_rows):
+    *saved, x_ND, W, b_V = saved_and_rows[:7]
+    *teacher, y_N, valid_N, num_items = saved_and_rows[7:]
+    cfg = cfg.local(x_ND.shape[0], _vocab(W, cfg))
+    return _topk_backward(g_loss, x_ND, W, b_V, TopKTeacher(*teacher), y_N, valid_N, num_items, saved, cfg, axes.vocab)
+
+
+def _loss_factors(cfg: DistillConfig) -> str:
+    return "n" if cfg.options.reduction == "none" else ""
+
+
+def _topk_passes_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, with_grads, axis):
+    """(loss, saved, grads or None) through `jax_impl.partitioned`."""
+    num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
+    grads = ("n d", "W", None if b_V is None else "v") if with_grads else (None,) * 3
+    layout = _topk_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n", "n k") + grads)
+    loss, *rest = partitioned.run(_topk_forward_pass, (cfg, with_grads), layout, x_ND, W, b_V, *teacher,
+                                  y_N, valid_N, num_items, axis=axis)
+    return loss, tuple(rest[:4]), (tuple(rest[4:]) if with_grads else None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def topk_distillation(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig,
                       axis: str | None = None):
     """The reduced top-K loss over flattened rows (x [N, D], y [N] int32 with -1 for no
     target, valid [N], num_items None or a 0-d array); fp32 (fp64 for fp64 inputs). axis:
     as for `_topk_forward`."""
-    return _topk_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, False, axis)[0]
+    return _topk_passes_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, False, axis)[0]
 
 
 def _topk_fwd(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, axis):
     args = (teacher, y_N, valid_N, num_items)
     if cfg.grads_in_forward:
-        loss, _, grads = _topk_forward(x_ND, W, b_V, *args, cfg, True, axis)
+        loss, _, grads = _topk_passes_forward(x_ND, W, b_V, *args, cfg, True, axis)
         return loss, (True, grads)
-    loss, saved, _ = _topk_forward(x_ND, W, b_V, *args, cfg, False, axis)
+    loss, saved, _ = _topk_passes_forward(x_ND, W, b_V, *args, cfg, False, axis)
     return loss, (False, (x_ND, W, b_V, args, saved))
 
 
@@ -200,7 +251,11 @@ def _topk_bwd(cfg, axis, res, g_loss):
     if in_forward:
         return _scaled(payload, g_loss) + (None,) * 4
     x_ND, W, b_V, (teacher, y_N, valid_N, num_items), saved = payload
-    return _topk_backward(g_loss, x_ND, W, b_V, teacher, y_N, valid_N, num_items, saved, cfg, axis) + (None,) * 4
+    num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
+    layout = _topk_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n k"), ("n d", "W", None if b_V is None else "v"))
+    grads = partitioned.run(_topk_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, b_V, *teacher,
+                            y_N, valid_N, num_items, axis=axis)
+    return grads + (None,) * 4
 
 
 topk_distillation.defvjp(_topk_fwd, _topk_bwd)
@@ -278,18 +333,50 @@ def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: 
     return dx, _final(dW, W)
 
 
+def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
+    """The dense passes' operands after `head`: x, W, the teacher's xt and Wt ("e" its hidden
+    dimension, "u" its classes), valid, num_items; both heads' classes on every device
+    (a split of one would need the other's alike)."""
+    w, wt = ("v d", "u e") if cfg.weight_layout == "VD" else ("d v", "e u")
+    operands = head + ("n d", w, "n e", wt, "n", "")
+    return Layout(operands, tuple(w if o == "W" else o for o in outputs), split_vocab=False)
+
+
+def _dense_forward_pass(static, axes: Axes, x_ND, W, xt_ND, Wt, valid_N, num_items):
+    cfg, with_grads = static
+    cfg = cfg.local(x_ND.shape[0], cfg.vocab)
+    loss, saved, grads = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads)
+    return (loss, *saved, *(grads or (None,) * 2))
+
+
+def _dense_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, lse_s, lse_t, kl_q, x_ND, W, xt_ND, Wt, valid_N,
+                         num_items):
+    cfg = cfg.local(x_ND.shape[0], cfg.vocab)
+    return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, (lse_s, lse_t, kl_q), cfg)
+
+
+def _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads):
+    """(loss, saved, grads or None) through `jax_impl.partitioned`."""
+    num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
+    grads = ("n d", "W") if with_grads else (None,) * 2
+    layout = _dense_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n") + grads)
+    loss, *rest = partitioned.run(_dense_forward_pass, (cfg, with_grads), layout, x_ND, W, xt_ND, Wt, valid_N,
+                                  num_items)
+    return loss, tuple(rest[:3]), (tuple(rest[3:]) if with_grads else None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def dense_distillation(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig):
     """The reduced dense-teacher loss over flattened rows (student x [N, D], teacher xt
     [N, Dt]; the teacher gets no gradient); fp32 (fp64 for fp64 inputs)."""
-    return _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=False)[0]
+    return _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=False)[0]
 
 
 def _dense_fwd(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg):
     if cfg.grads_in_forward:
-        loss, _, grads = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=True)
+        loss, _, grads = _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=True)
         return loss, (True, grads)
-    loss, saved, _ = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=False)
+    loss, saved, _ = _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=False)
     return loss, (False, (x_ND, W, xt_ND, Wt, valid_N, num_items, saved))
 
 
@@ -298,7 +385,10 @@ def _dense_bwd(cfg, res, g_loss):
     if in_forward:
         return _scaled(payload, g_loss) + (None,) * 4
     x_ND, W, xt_ND, Wt, valid_N, num_items, saved = payload
-    return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg) + (None,) * 4
+    num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
+    layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n"), ("n d", "W"))
+    return partitioned.run(_dense_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, xt_ND, Wt, valid_N,
+                           num_items) + (None,) * 4
 
 
 dense_distillation.defvjp(_dense_fwd, _dense_bwd)

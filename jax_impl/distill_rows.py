@@ -29,6 +29,15 @@ def row_weights(valid_N, reduction: str, grad_loss, num_items, dtype):
     return jnp.where(valid_N, jnp.broadcast_to(g, valid_N.shape), 0)
 
 
+def global_denominator(valid_N, num_items, reduction: str, dtype):
+    """A mean's denominator as an operand of the passes: num_items, or the count of valid
+    rows (taken before the rows are split over devices); None for other reductions without
+    num_items."""
+    if num_items is None and reduction == "mean":
+        return valid_N.sum().astype(dtype)
+    return num_items
+
+
 def reduce_rows(loss_N, valid_N, reduction: str, num_items):
     loss_N = jnp.where(valid_N, loss_N, 0)
     if reduction == "none":

@@ -26,7 +26,9 @@ from interop.tuning import Tuning
 from jax_impl.distill_blocked import DistillConfig, plan_distillation
 from jax_impl.functional import (as_array, check_target_range, choose_strategy, dtype_name, maybe_array, platform_of,
                                  shape_of, whole_vocab)
+from jax_impl import partitioned
 from jax_impl.log_probs_kernels import NO_COLUMN
+from jax_impl.partitioned import Axes, Layout
 from jax_impl.rows import compute_dtype, narrow_targets, row_loop
 from jax_impl.sharding import on_mesh, row_spec
 from jax_impl.vocab_parallel import local_columns, summed_grad_input
@@ -87,10 +89,30 @@ def _upstream(g, y_N, cfg: DistillConfig, wide, axis: str | None = None):
     return jnp.where(valid, jnp.where(in_range, g.astype(wide), jnp.nan), 0)
 
 
+def _layout(cfg: DistillConfig, operands: tuple, outputs: tuple) -> Layout:
+    """x, W, b, y, then `operands`' factors; outputs named, "W" for W's factors."""
+    w = "v d" if cfg.weight_layout == "VD" else "d v"
+    return Layout(("n d", w, "v", "n") + operands, tuple(w if o == "W" else o for o in outputs))
+
+
+def _local(cfg: DistillConfig, x_ND, W) -> DistillConfig:
+    return cfg.local(x_ND.shape[0], W.shape[0] if cfg.weight_layout == "VD" else W.shape[1])
+
+
+def _grads_factors(b_V) -> tuple:
+    return ("n d", "W", None if b_V is None else "v")
+
+
 def forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None, axis: str | None = None):
     """(log_probs, entropy, argmax, lse), per row; keep: bool [N], the only rows computed
     (`jax_impl.rows.row_loop`; the others' outputs are 0), or None. axis: the shard_map axis
-    of a head split over the vocabulary (W and b this device's classes, y global), or None."""
+    of a head split over the vocabulary (W and b this device's classes, y global), or None;
+    under jit, split over sharded operands (`jax_impl.partitioned`)."""
+    return partitioned.run(_forward_pass, cfg, _layout(cfg, ("n",), ("n",) * 4), x_ND, W, b_V, y_N, keep, axis=axis)
+
+
+def _forward_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, keep):
+    cfg, axis = _local(cfg, x_ND, W), axes.vocab
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
 
     def row_step(carry, xs):
@@ -108,9 +130,16 @@ def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream,
     """(log_probs [N], entropy [N], dx, dW, db) with the gradients formed in the forward pass,
     in blocks of whole rows (cfg.block_cols == V: one product per block, 6 N D V flops in
     all), for upstream gradients that each row's values decide: upstream(logp_R, entropy_R,
-    per_row_R) -> (g_R, g_h_R or None), per_row a tuple of [N] arrays given by rows; keep and
-    axis: as for `forward` (the other rows' dx is 0; on a split head, dx is summed over the
-    axis)."""
+    per_row_R) -> (g_R, g_h_R or None) (hashable: a static of the pass), per_row a tuple of
+    [N] arrays given by rows; keep and axis: as for `forward` (the other rows' dx is 0; on a
+    split head, dx is summed over the axis)."""
+    layout = _layout(cfg, ("n",) * (1 + len(per_row)), ("n", "n") + _grads_factors(b_V))
+    return partitioned.run(_with_grads_pass, (cfg, upstream), layout, x_ND, W, b_V, y_N, keep, *per_row, axis=axis)
+
+
+def _with_grads_pass(static, axes: Axes, x_ND, W, b_V, y_N, keep, *per_row):
+    (cfg, upstream), axis = static, axes.vocab
+    cfg = _local(cfg, x_ND, W)
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), compute_dtype(x_ND.dtype)
 
     def row_step(carry, xs):
@@ -153,6 +182,12 @@ def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=N
     """(dx, dW, db) for the upstream gradients of the log-probabilities and entropy ([N];
     g_H None when the entropy has none), recomputing the logits block by block; keep and
     axis: as for `forward_with_grads`."""
+    layout = _layout(cfg, ("n",) * 5, _grads_factors(b_V))
+    return partitioned.run(_grads_pass, cfg, layout, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep, axis=axis)
+
+
+def _grads_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep):
+    cfg, axis = _local(cfg, x_ND, W), axes.vocab
     o, ops, head, wide = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V), lse.dtype
     g_lp = _upstream(g_lp, y_N, cfg, wide, axis)
 

@@ -34,6 +34,20 @@ def _terms(o: PolicyLossOptions, cfg: DistillConfig, y, logp, entropy, tokens: d
     return token_terms(jnp, o, logp, entropy, valid, *(tokens.get(k) for k in TOKEN_ARGUMENTS))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Upstream:
+    """The upstream gradients of a block's log-probabilities and entropy, from its rows'
+    targets and per-token arrays (named by keys): `log_probs.forward_with_grads`' upstream."""
+
+    o: PolicyLossOptions
+    cfg: DistillConfig
+    keys: tuple
+
+    def __call__(self, logp_R, entropy_R, rows):
+        y_R, *values = rows
+        return _terms(self.o, self.cfg, y_R, logp_R, entropy_R, dict(zip(self.keys, values)))[1:]
+
+
 def _keep(cfg: DistillConfig, skip: bool, y_N):
     """The rows to compute: those not ignored where `skip` (an ignored token adds nothing),
     else None (all)."""
@@ -54,14 +68,8 @@ def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLo
 def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o, skip, axis):
     keep = _keep(cfg, skip, y_N)
     if cfg.strategy == "speed":
-        keys = tuple(tokens)
-
-        def upstream(logp_R, entropy_R, rows):
-            y_R, *values = rows
-            return _terms(o, cfg, y_R, logp_R, entropy_R, dict(zip(keys, values)))[1:]
-
         logp, entropy, dx, dW, db = forward_with_grads(x_ND, W, b_V, y_N, (y_N,) + tuple(tokens.values()), cfg,
-                                                       upstream, keep, axis)
+                                                       _Upstream(o, cfg, tuple(tokens)), keep, axis)
         return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((dx, dW, db), tokens)
     logp, entropy, _, lse = forward(x_ND, W, b_V, y_N, cfg, keep, axis)
     return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((x_ND, W, b_V, y_N, logp, entropy, lse), tokens)

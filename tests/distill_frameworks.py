@@ -170,9 +170,11 @@ DENSE_CASES = {
 CASES = {**{("topk", k): v for k, v in TOPK_CASES.items()}, **{("dense", k): v for k, v in DENSE_CASES.items()}}
 
 
-def case_inputs(kind, name, dtype, vocab: int = 53):
-    """(problem, options, grad_output, num_items_in_batch, logit scale) of a CASES case."""
+def case_inputs(kind, name, dtype, vocab: int = 53, lead=None):
+    """(problem, options, grad_output, num_items_in_batch, logit scale) of a CASES case;
+    lead: the rows' shape where the case sets none (default (13,))."""
     options, problem, *count = CASES[(kind, name)]
+    problem = {"lead": lead, **problem} if lead else problem
     seed = zlib.crc32(f"{kind}{name}{dtype}".encode())
     p = make_problem(kind, seed, dtype=dtype, vocab=vocab, **problem)
     rng = np.random.default_rng(seed)

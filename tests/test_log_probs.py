@@ -28,8 +28,9 @@ STRATEGIES = ["speed", "memory", "chunked"]
 RUNS = [("torch", s) for s in STRATEGIES] + [("jax", s) for s in STRATEGIES]
 
 
-def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53):
+def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53, lead=None):
     options, kwargs, which = CASES[case]
+    kwargs = {"lead": lead, **kwargs} if lead else kwargs  # the rows' shape where the case sets none
     seed = seed_of("log-probs", case, dtype, layout)
     p = make_problem(seed, dtype=dtype, weight_layout=layout, vocab=vocab, **kwargs)
     rng = np.random.default_rng(seed + 1)

@@ -30,9 +30,10 @@ SCALE = 2.5
 RUNS = [(f, s) for f in ("torch", "jax") for s in STRATEGIES]
 
 
-def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53):
+def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53, lead=None):
     """(problem, options, per-token inputs as float64 numpy of the target's shape)."""
     options, kwargs, which = CASES[case]
+    kwargs = {"lead": lead, **kwargs} if lead else kwargs  # the rows' shape where the case sets none
     seed = seed_of("policy", case, dtype, layout)
     p = make_problem(seed, dtype=dtype, weight_layout=layout, vocab=vocab, **kwargs)
     rng = np.random.default_rng(seed + 1)

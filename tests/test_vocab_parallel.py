@@ -733,67 +733,96 @@ print("done")
 JAX_SPLIT_SCRIPT = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_impl
 from tests import test_log_probs, test_policy_loss
 from tests.frameworks import SMALL
 from tests.test_vocab_parallel import jax_split_cases
 
+# argv: the .npz to write, the (dp, tp) mesh, "shard_map" (the head split by vocab_parallel
+# inside jax.shard_map) or "jit" (jax.jit of the plain call on operands put on the mesh: the
+# rows over "dp" where they divide, the head over "tp")
 mesh = jax.make_mesh(tuple(int(k) for k in sys.argv[2].split(",")), ("dp", "tp"),
                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
-out = {}
-for key, kind, strategy, p, options, upstream in jax_split_cases():
+jit = sys.argv[3] == "jit"
+out, gathered = {}, []
+for key, kind, strategy, p, options, upstream in jax_split_cases(jit):
     layout, y = p.weight_layout, None if p.y is None else jnp.asarray(p.y.astype(np.int32))
     lead = (None,) * (p.x.ndim - 1)
-    specs = (P(*lead, None), P("tp", None) if layout == "VD" else P(None, "tp")) + ((P("tp"),) if p.b is not None else ())
+    rows = ("dp",) + lead[1:] if jit and p.x.shape[0] % mesh.shape["dp"] == 0 else lead
+    head = "tp" if kind != "dense" else None
+    specs = (P(*rows, None), P(head, None) if layout == "VD" else P(None, head)) + ((P(head),) if p.b is not None else ())
     args = [jnp.asarray(a, jnp.float32) for a in (p.x, p.W, p.b) if a is not None]
-    call = dict(weight_layout=layout, strategy=strategy, tuning=SMALL, vocab_parallel="tp", **options)
-    if kind == "topk":
-        ids, lp = (jnp.asarray(a) for a in p.teacher)
-        extra = dict(target=None if p.y is None else jnp.asarray(p.y.astype(np.int32)),
-                     row_mask=None if p.mask is None else jnp.asarray(p.mask), num_items_in_batch=upstream[1])
-        local = lambda x, W, b=None: jax_impl.linear_topk_distillation(x, W, ids, lp, linear_bias=b, **call, **extra)
+    call = dict(weight_layout=layout, strategy=strategy, tuning=SMALL, **options)
+    if not jit:
+        call["vocab_parallel"] = "tp"
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec))) if jit else a
+    to_mesh = lambda fn, out_specs: jax.jit(fn) if jit else jax.shard_map(
+        fn, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=True)
+    if jit:
+        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+    if kind in ("topk", "dense"):
+        extra = dict(target=None if p.y is None else put(p.y.astype(np.int32), *rows),
+                     row_mask=None if p.mask is None else put(p.mask, *rows), num_items_in_batch=upstream[1])
+        if kind == "topk":
+            ids, lp = (put(a, *rows, None) for a in p.teacher)
+            local = lambda x, W, b=None: jax_impl.linear_topk_distillation(x, W, ids, lp, linear_bias=b, **call, **extra)
+        else:
+            xt, Wt = put(p.teacher[0], *rows, None), put(p.teacher[1], None, None)
+            local = lambda x, W: jax_impl.linear_distillation(x, W, xt, Wt, **call, **extra)
         none = options.get("reduction") == "none"
-        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(*lead) if none else P(), check_vma=True)
+        f = to_mesh(local, P(*lead) if none else P())
         loss, vjp = jax.vjp(f, *args)
         grads = vjp(jnp.asarray(upstream[0], jnp.float32))
         out[key + "|loss"] = loss
     elif kind == "log_probs":
+        y = put(y, *rows)
         local = lambda x, W, b=None: jax_impl.linear_log_probs(x, W, y, linear_bias=b, return_entropy=True,
                                                                return_argmax=True, **call)
-        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(*lead),) * 3, check_vma=True)
+        f = to_mesh(local, (P(*lead),) * 3)
         (lp, H, am), vjp = jax.vjp(f, *args)
         g_lp, g_H = (np.zeros(p.y.shape) if g is None else g for g in upstream)
         grads = vjp((jnp.asarray(g_lp, jnp.float32), jnp.asarray(g_H, jnp.float32), np.zeros(am.shape, jax.dtypes.float0)))
         out.update({key + "|log_probs": lp, key + "|entropy": H, key + "|argmax": am})
     else:
-        tokens = {k: jnp.asarray(v, jnp.float32) for k, v in upstream[0].items()}
+        y = put(y, *rows)
+        tokens = {k: put(np.asarray(v, np.float32), *(rows if np.shape(v) == p.y.shape else ()))
+                  for k, v in upstream[0].items()}
         local = lambda x, W, b=None: jax_impl.linear_policy_loss(x, W, y, linear_bias=b, **call, **tokens)
-        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=True)
+        f = to_mesh(local, P())
         loss, grads = jax.value_and_grad(f, argnums=tuple(range(len(args))))(*args)
         out[key + "|loss"] = loss
     out.update({f"{key}|{name}": g for name, g in zip(("grad_x", "grad_W", "grad_b"), grads)})
+    if jit and rows[0] == "dp":  # nothing the size of the input gathered
+        shape = ",".join(map(str, p.x.shape))
+        hlo = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0] if kind == "log_probs" else f(*a)),
+                               argnums=tuple(range(len(args))))).lower(*args).compile().as_text()
+        gathered += [(key, line.strip()[:100]) for line in hlo.splitlines() if " all-gather(" in line and f"[{shape}]" in line]
 np.savez(sys.argv[1], **{k: np.asarray(v) for k, v in out.items()})
-print("done")
+print("GATHERED", gathered)
+print("done" if not gathered else "gathered")
 """
 
 
-def jax_split_cases():
+def jax_split_cases(jit: bool = False):
     """(key, kind, strategy, problem, options, upstream) of the JAX split-head tests: every
     top-K distillation (upstream: the loss's gradient and num_items_in_batch),
     `linear_log_probs` and `linear_policy_loss` test case, fp32, 52 classes (equal slices
-    on 2 devices)."""
+    on 2 devices). jit: the dense teacher's cases too, and 14 rows (for 2 devices) where a
+    case sets no shape."""
     from tests import test_log_probs, test_policy_loss
-    from tests.distill_frameworks import TOPK_CASES, case_inputs
+    from tests.distill_frameworks import DENSE_CASES, TOPK_CASES, case_inputs
 
-    for case in TOPK_CASES:
-        for strategy in ("speed", "memory", "chunked"):
-            p, options, g, count, _ = case_inputs("topk", case, "float32", vocab=52)
-            yield f"topk|{case}|{strategy}", "topk", strategy, p, options, (g, count)
+    lead = (14,) if jit else None
+    for kind, cases in (("topk", TOPK_CASES), ("dense", DENSE_CASES if jit else {})):
+        for case in cases:
+            for strategy in ("speed", "memory", "chunked"):
+                p, options, g, count, _ = case_inputs(kind, case, "float32", vocab=52, lead=lead)
+                yield f"{kind}|{case}|{strategy}", kind, strategy, p, options, (g, count)
     for kind, module in (("log_probs", test_log_probs), ("policy", test_policy_loss)):
         for case in module.CASES:
             for strategy in ("speed", "memory", "chunked"):
-                p, options, *upstream = module._problem(case, "float32", vocab=52)
+                p, options, *upstream = module._problem(case, "float32", vocab=52, lead=lead)
                 yield f"{kind}|{case}|{strategy}", kind, strategy, p, options, upstream
 
 
@@ -833,24 +862,28 @@ def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
     _check_shard_map_results(tmp_path / "jax.npz")
 
 
+@pytest.mark.parametrize("mode", ["shard_map", "jit"])
 @pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=MULTI_GPU)])
-def test_jax_split_heads_in_shard_map_match_reference(tmp_path, devices):
-    """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode) or of 2 GPUs:
-    `linear_topk_distillation`, `linear_log_probs` (log-probabilities, entropy, argmax and
-    both upstream gradients) and `linear_policy_loss` inside jax.shard_map (check_vma=True)
-    with the head split over "tp", every test case and strategy: the float64 reference's
-    outputs and gradients."""
+def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices, mode):
+    """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode) or of 2 GPUs,
+    every test case and strategy of `linear_topk_distillation`, `linear_log_probs`
+    (log-probabilities, entropy, argmax and both upstream gradients) and
+    `linear_policy_loss`: inside jax.shard_map (check_vma=True) with the head split over
+    "tp" (`vocab_parallel`), or under jax.jit with the operands sharded (the head over "tp",
+    the rows over "dp" where they divide; `linear_distillation` too, its heads whole):
+    the float64 reference's outputs and gradients, and under jit nothing the size of the
+    input gathered."""
     from tests import test_log_probs, test_policy_loss
     from tests.distill_frameworks import errors
     from tests.distill_frameworks import reference as distill_reference
 
-    mesh = "2,2" if devices == "cpu" else "1,2"
-    done = _jax_process(["-c", JAX_SPLIT_SCRIPT, str(tmp_path / "rl.npz"), mesh], devices, timeout=900)
-    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-4000:]
+    mesh = "2,2" if devices == "cpu" else "1,2" if mode == "shard_map" else "2,1"
+    done = _jax_process(["-c", JAX_SPLIT_SCRIPT, str(tmp_path / "rl.npz"), mesh, mode], devices, timeout=900)
+    assert done.returncode == 0 and "done" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
     got = dict(np.load(tmp_path / "rl.npz"))
-    for key, kind, strategy, p, options, upstream in jax_split_cases():
+    for key, kind, strategy, p, options, upstream in jax_split_cases(mode == "jit"):
         mine = {name.rsplit("|", 1)[1]: value for name, value in got.items() if name.startswith(key + "|")}
-        if kind == "topk":
+        if kind in ("topk", "dense"):
             for what, err in errors(mine, distill_reference(p, options, *upstream)).items():
                 assert err <= tolerance("float32"), (key, what, err)
             continue
