@@ -10,7 +10,9 @@ Files read (each optional; the section exists when `distributed_1gpu.json` and o
   `bench.distributed --loss <loss>`, the other losses' split heads;
 - `jax_mesh_1gpu.json`, `jax_mesh_<P>gpu_vocab.json`, `jax_mesh_<P>gpu_rows.json`:
   `bench.jax_mesh` on one GPU, with the head split over P devices (`--tp P`) and with the
-  rows sharded over them (`--tp 1`).
+  rows sharded over them (`--tp 1`);
+- `jax_mesh_losses.json`: `bench.jax_mesh --loss <loss>` records of every loss, on one GPU
+  and on P (rows sharded, or the head split).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import re
 SECTION = "distributed"
 PRESET_NAMES = {(16384, 4096, 128256): "L", (8192, 2304, 256000): "G"}
 LOSS_NAMES = {"cross_entropy": "cross-entropy", "topk": "top-K distillation (K 32)", "log_probs": "log-probabilities",
-              "policy": "policy loss"}
+              "policy": "policy loss", "dense": "dense distillation"}
 
 
 def _load(folder: str, name: str):
@@ -124,6 +126,30 @@ def _jax_rows(one: list | None, sharded: list | None, what: str) -> list[list[st
     return rows
 
 
+def _jax_loss_rows(records: list, p: int) -> list[list[str]]:
+    """The other losses under jit, one row per loss and sharding: "speed" / "memory" ms on one
+    GPU and on p, the speed-ups, the temporaries per device."""
+    rows = []
+    for loss in ("topk", "dense", "log_probs", "policy"):
+        mine = [r for r in records if r["loss_name"] == loss]
+        for tp, what in ((1, f"rows sharded over {p} GPUs"), (p, f"head split over {p} GPUs")):
+            pairs = []
+            for method in ("ours-speed", "ours-memory"):
+                one = [r for r in mine if r["devices"] == 1 and r["method"] == method]
+                many = [r for r in mine if r["devices"] == p and r["tp"] == tp and r["method"] == method]
+                base = next((b for b in one if many and b["shape"] == many[0]["shape"]), None)
+                if many and base:
+                    pairs.append((base, many[0]))
+            if not pairs:
+                continue
+            both = lambda f: " / ".join(f(b, m) for b, m in pairs)
+            rows.append([f"JAX {pairs[0][1]['shape']}, {LOSS_NAMES[loss]}, {what}", "speed / memory",
+                         both(lambda b, m: f"{b['ms']:.1f}"), both(lambda b, m: f"{m['ms']:.1f}"),
+                         both(lambda b, m: f"{b['ms'] / m['ms']:.2f}x"), "-",
+                         both(lambda b, m: _gib(m["temp_bytes_per_device"] / 2**20)) + " (temporaries)"])
+    return rows
+
+
 def distributed_section(folder: str) -> str | None:
     """The section's text (a caption, then the table), or None without the split head's runs."""
     p = ranks_measured(folder)
@@ -142,6 +168,7 @@ def distributed_section(folder: str) -> str | None:
     jax_one = _load(folder, "jax_mesh_1gpu.json")
     rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_vocab.json"), f"head split over {p} GPUs")
     rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_rows.json"), f"rows sharded over {p} GPUs")
+    rows += _jax_loss_rows(_load(folder, "jax_mesh_losses.json") or [], p)
     text = (f"On {p} x {env['device']} (NCCL), {env['dtype']}, random data, {env['date'][:10]}; torch {env['torch']} "
             f"(`bench/results/distributed_*`, `split_*`, `fsdp_model_*`, `jax_mesh_*`). Split head: fwd+bwd of the "
             f"cross-entropy (or the loss named) with each GPU holding 1/{p} of the classes (`vocab_parallel`), on 1 GPU "
