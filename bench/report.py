@@ -23,6 +23,7 @@ import re
 import sys
 
 from bench import store
+from bench.capabilities import SECTION as CAPABILITIES, capabilities_section
 from bench.distributed_report import SECTION as DISTRIBUTED, distributed_section
 from bench.measure import PRESETS
 
@@ -171,9 +172,11 @@ def rl_section(runs: dict[str, tuple[str, dict]]) -> str:
 
 
 def sections_of(folder: str, found: dict[str, tuple[str, dict]]) -> dict[str, str]:
-    """{section name: its README text}: the frameworks' `found` (`load(folder)`), and the
-    compiled model's and the RL outputs' where `folder` holds their JSON."""
+    """{section name: its README text}: the frameworks' `found` (`load(folder)`), the
+    capability matrix, and the compiled model's and the RL outputs' where `folder` holds
+    their JSON."""
     sections = {fw: section(path, data) for fw, (path, data) in found.items()}
+    sections[CAPABILITIES] = capabilities_section()
     path = os.path.join(folder, COMPILED + ".json")
     if os.path.exists(path):
         with open(path) as f:
@@ -196,7 +199,7 @@ def rewrite(text: str, sections: dict[str, str]) -> str:
     """`text` with each section between its markers; a framework with a JSON but no markers,
     or markers but no JSON, is an error (a README that silently keeps old numbers). The
     compiled model's markers without its JSON keep their text (another command writes it)."""
-    for fw in (*FRAMEWORKS, COMPILED, RL, DISTRIBUTED):
+    for fw in (*FRAMEWORKS, CAPABILITIES, COMPILED, RL, DISTRIBUTED):
         pattern = re.compile(rf"(<!-- bench\.report {fw} -->\n).*?(<!-- /bench\.report {fw} -->)", re.DOTALL)
         has_markers = pattern.search(text) is not None
         if has_markers and fw not in sections:

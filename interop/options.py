@@ -66,7 +66,7 @@ def as_float(name: str, value) -> float:
 def positive(name: str, value) -> float:
     """A finite number > 0, or ValueError naming the option."""
     v = as_float(name, value)
-    if not (v > 0.0 and math.isfinite(v)):
+    if not (0.0 < v < math.inf):  # comparisons only: Dynamo traces them on a symbolic float
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return v
 
@@ -74,7 +74,7 @@ def positive(name: str, value) -> float:
 def nonnegative(name: str, value) -> float:
     """A finite number >= 0, or ValueError naming the option."""
     v = as_float(name, value)
-    if not (v >= 0.0 and math.isfinite(v)):
+    if not (0.0 <= v < math.inf):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return v
 
@@ -92,7 +92,7 @@ def set_softcap(opts) -> None:
     """An options dataclass's softcap: None, or a finite number > 0 (as a float)."""
     if opts.softcap is not None:
         cap = as_float("softcap", opts.softcap)
-        if not (cap > 0.0 and math.isfinite(cap)):
+        if not (0.0 < cap < math.inf):
             raise ValueError(f"softcap must be None or a finite number > 0, got {opts.softcap!r}")
         object.__setattr__(opts, "softcap", cap)
 
@@ -209,7 +209,7 @@ def check_filter_eps(filter_eps):
     if filter_eps is None:
         return None
     e = as_float("filter_eps", filter_eps)
-    if not (e >= 0.0 and math.isfinite(e)):
+    if not (0.0 <= e < math.inf):
         raise ValueError(f"filter_eps must be None or a finite number >= 0, got {filter_eps!r}")
     return e
 

@@ -272,8 +272,12 @@ def _divergence(a, b, o):
     return o.beta * a + (1 - o.beta) * b
 
 
-def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, with_grads: bool):
-    """(loss, saved = (lse_s, lse_t, b) per row, grads (dx, dW) for an upstream gradient of 1 or None)."""
+def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, with_grads: bool,
+                   axis: str | None = None):
+    """(loss, saved = (lse_s, lse_t, b) per row, grads (dx, dW) for an upstream gradient of 1 or None).
+    axis: the shard_map axis over which both heads are split alike (each device the same
+    slice of classes of each): each row block's lse of both heads and the divergence's row
+    sums are combined over it before its row terms, and grad_input is summed over it."""
     o, ops = cfg.options, cfg.ops
     student, teacher = cfg.head(x_ND, W), cfg.head(xt_ND, Wt)
     n, wide, inv_t = x_ND.shape[0], compute_dtype(x_ND.dtype), 1.0 / cfg.options.temperature
@@ -291,14 +295,18 @@ def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, w
 
         (ms, ls, _, _), (mt, lt, _, _) = student.col_loop(stats, (_running(R, wide), _running(R, wide)))
         lse_s, lse_t = ms + jnp.log(ls), mt + jnp.log(lt)
+        if axis is not None:
+            lse_s, lse_t = global_lse(lse_s, axis), global_lse(lse_t, axis)
         sums = lambda v0, cols, c: ops.pair_sums(*pair(v0, cols), lse_s, lse_t, c, o)
         a, b = student.col_loop(sums, (jnp.zeros((R,), wide), jnp.zeros((R,), wide)))
+        if axis is not None:
+            a, b = jax.lax.psum((a, b), axis)
         outs = (o.scale * _divergence(a, b, o), lse_s, lse_t, b)
         if not with_grads:
             return carry, outs
         dz = ops.pair_grad(*pair(0, cfg.vocab), lse_s, lse_t, b, r_R * (o.scale * inv_t), o)
         dW, _, dx_R = student.add_shares(dz, x_R, 0, cfg.vocab, carry, None, jnp.zeros(x_R.shape, wide))
-        return dW, outs + (dx_R.astype(x_R.dtype),)
+        return dW, outs + (dx_R if axis is not None else dx_R.astype(x_R.dtype),)
 
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
     carry = _grad_buffers(cfg, W, False)[0] if with_grads else None
@@ -306,10 +314,11 @@ def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, w
     loss = reduce_rows(outs[0], valid_N, o.reduction, num_items)
     if not with_grads:
         return loss, outs[1:4], None
-    return loss, outs[1:4], (outs[4], _final(carry, W))
+    return loss, outs[1:4], (summed_grad_input(outs[4], x_ND, axis), _final(carry, W))
 
 
-def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: DistillConfig):
+def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: DistillConfig,
+                    axis: str | None = None):
     o, ops = cfg.options, cfg.ops
     student, teacher = cfg.head(x_ND, W), cfg.head(xt_ND, Wt)
     n, wide = x_ND.shape[0], compute_dtype(x_ND.dtype)
@@ -325,18 +334,18 @@ def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: 
             return dW, dx
 
         dW, dx_R = student.col_loop(body, (dW, jnp.zeros(x_R.shape, wide)))
-        return dW, (dx_R.astype(x_R.dtype),)
+        return dW, (dx_R if axis is not None else dx_R.astype(x_R.dtype),)
 
     coef_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide) * (o.scale / o.temperature)
     per_row = (x_ND, xt_ND, coef_N) + tuple(saved)
     dW, (dx,) = row_loop(row_step, _grad_buffers(cfg, W, False)[0], per_row, n, cfg.block_rows)
-    return dx, _final(dW, W)
+    return summed_grad_input(dx, x_ND, axis), _final(dW, W)
 
 
 def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
     """The dense passes' operands after `head`: x, W, the teacher's xt and Wt ("e" its hidden
-    dimension, "u" its classes), valid, num_items; both heads' classes on every device
-    (a split of one would need the other's alike)."""
+    dimension, "u" its classes), valid, num_items; under jit both heads' classes on every
+    device (a split of one would need the other's alike: the shard_map axis' case)."""
     w, wt = ("v d", "u e") if cfg.weight_layout == "VD" else ("d v", "e u")
     operands = head + ("n d", w, "n e", wt, "n", "")
     return Layout(operands, tuple(w if o == "W" else o for o in outputs), split_vocab=False)
@@ -345,42 +354,43 @@ def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
 def _dense_forward_pass(static, axes: Axes, x_ND, W, xt_ND, Wt, valid_N, num_items):
     cfg, with_grads = static
     cfg = cfg.local(x_ND.shape[0], cfg.vocab)
-    loss, saved, grads = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads)
+    loss, saved, grads = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads, axes.vocab)
     return (loss, *saved, *(grads or (None,) * 2))
 
 
 def _dense_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, lse_s, lse_t, kl_q, x_ND, W, xt_ND, Wt, valid_N,
                          num_items):
     cfg = cfg.local(x_ND.shape[0], cfg.vocab)
-    return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, (lse_s, lse_t, kl_q), cfg)
+    return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, (lse_s, lse_t, kl_q), cfg, axes.vocab)
 
 
-def _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads):
+def _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads, axis):
     """(loss, saved, grads or None) through `jax_impl.partitioned`."""
     num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
     grads = ("n d", "W") if with_grads else (None,) * 2
     layout = _dense_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n") + grads)
     loss, *rest = partitioned.run(_dense_forward_pass, (cfg, with_grads), layout, x_ND, W, xt_ND, Wt, valid_N,
-                                  num_items)
+                                  num_items, axis=axis)
     return loss, tuple(rest[:3]), (tuple(rest[3:]) if with_grads else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def dense_distillation(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def dense_distillation(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, axis: str | None = None):
     """The reduced dense-teacher loss over flattened rows (student x [N, D], teacher xt
-    [N, Dt]; the teacher gets no gradient); fp32 (fp64 for fp64 inputs)."""
-    return _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=False)[0]
+    [N, Dt]; the teacher gets no gradient); fp32 (fp64 for fp64 inputs). axis: as for
+    `_dense_forward`."""
+    return _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, False, axis)[0]
 
 
-def _dense_fwd(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg):
+def _dense_fwd(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, axis):
     if cfg.grads_in_forward:
-        loss, _, grads = _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=True)
+        loss, _, grads = _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, True, axis)
         return loss, (True, grads)
-    loss, saved, _ = _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads=False)
+    loss, saved, _ = _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, False, axis)
     return loss, (False, (x_ND, W, xt_ND, Wt, valid_N, num_items, saved))
 
 
-def _dense_bwd(cfg, res, g_loss):
+def _dense_bwd(cfg, axis, res, g_loss):
     in_forward, payload = res
     if in_forward:
         return _scaled(payload, g_loss) + (None,) * 4
@@ -388,7 +398,7 @@ def _dense_bwd(cfg, res, g_loss):
     num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
     layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n"), ("n d", "W"))
     return partitioned.run(_dense_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, xt_ND, Wt, valid_N,
-                           num_items) + (None,) * 4
+                           num_items, axis=axis) + (None,) * 4
 
 
 dense_distillation.defvjp(_dense_fwd, _dense_bwd)

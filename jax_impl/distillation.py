@@ -112,13 +112,18 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
                         divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
                         temperature_squared: bool = True, reduction: str = "mean", num_items_in_batch=None,
                         ignore_index: int | None = -100, weight_layout: str = "VD", strategy: str = "auto",
-                        accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None):
+                        accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None,
+                        vocab_parallel: str | None = None):
     """Distillation from a dense teacher, both heads fused: no N x V buffer of either.
 
     The arguments of `torch_impl.linear_distillation` (interop/SPEC-DISTILLATION.md):
     student input [..., D] and linear_weight, teacher_input [..., Dt] and teacher_weight
     (same layout; no gradient flows to them), divergence "forward_kl" | "reverse_kl" | "jsd"
     (beta), temperature; both distributions cover the first min(V, Vt) classes.
+    vocab_parallel: inside `jax.shard_map`, the mesh axis over which both heads are split
+    alike by vocabulary (each device the same slice of each head's classes, in the axis'
+    order; the inputs the same on every device): the devices exchange a few statistics per
+    row, never logits; the loss is global, grad_weight the device's slice.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -138,7 +143,14 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
         row_mask_shape=shape_of(row_mask), row_mask_dtype=dtype_name(row_mask), weight_layout=weight_layout)
     n = shape.n_rows
     vocab = min(shape.vocab, shape.teacher_vocab)
-    y, ignore32 = (None, o.ignore_index) if target is None else narrow_targets(target.reshape(n), vocab, o.ignore_index)
+    classes = vocab
+    if vocab_parallel is not None:
+        if shape.teacher_vocab != shape.vocab:
+            raise ValueError(f"with vocab_parallel, teacher_weight must hold the student's classes on each device: "
+                             f"{shape.teacher_vocab} classes here against linear_weight's {shape.vocab} (cut a teacher "
+                             "with more classes to the student's before splitting it)")
+        classes = whole_vocab(linear_weight, weight_layout, vocab_parallel)
+    y, ignore32 = (None, o.ignore_index) if target is None else narrow_targets(target.reshape(n), classes, o.ignore_index)
     valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), ignore32)
     platform = platform_of(input)
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, vocab, platform, tuning)
@@ -146,8 +158,11 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
 
     def rows(x, W, xt, Wt, valid, num_items):
         xt_ND = jax.lax.stop_gradient(xt.reshape(n, shape.teacher_hidden))
-        loss = dense_distillation(x.reshape(n, shape.hidden), W, xt_ND, jax.lax.stop_gradient(Wt), valid, num_items, cfg)
+        loss = dense_distillation(x.reshape(n, shape.hidden), W, xt_ND, jax.lax.stop_gradient(Wt), valid, num_items, cfg,
+                                  vocab_parallel)
         return loss.reshape(shape.lead_shape) if reduction == "none" else loss
 
     args = (input, linear_weight, teacher_input, teacher_weight, valid, denominator(num_items_in_batch, compute_dtype(input.dtype)))
+    if vocab_parallel is not None:  # inside shard_map: the device's own operands
+        return rows(*args)
     return on_mesh(rows, args, _rows_out_specs(input, reduction))

@@ -741,7 +741,8 @@ from tests.test_vocab_parallel import jax_split_cases
 
 # argv: the .npz to write, the (dp, tp) mesh, "shard_map" (the head split by vocab_parallel
 # inside jax.shard_map) or "jit" (jax.jit of the plain call on operands put on the mesh: the
-# rows over "dp" where they divide, the head over "tp"), the strategies (default all)
+# rows over "dp" where they divide, the head over "tp", or over "dp" for "memory"), the
+# strategies (default all)
 mesh = jax.make_mesh(tuple(int(k) for k in sys.argv[2].split(",")), ("dp", "tp"),
                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
 jit = sys.argv[3] == "jit"
@@ -751,7 +752,8 @@ for key, kind, strategy, p, options, upstream in jax_split_cases(jit, strategies
     layout, y = p.weight_layout, None if p.y is None else jnp.asarray(p.y.astype(np.int32))
     lead = (None,) * (p.x.ndim - 1)
     rows = ("dp",) + lead[1:] if jit and p.x.shape[0] % mesh.shape["dp"] == 0 else lead
-    head = "tp" if kind != "dense" else None
+    # under jit the "memory" cases shard the head over the rows' axis instead (FSDP: gathered)
+    head = "dp" if jit and strategy == "memory" else "tp"
     specs = (P(*rows, None), P(head, None) if layout == "VD" else P(None, head)) + ((P(head),) if p.b is not None else ())
     args = [jnp.asarray(a, jnp.float32) for a in (p.x, p.W, p.b) if a is not None]
     call = dict(weight_layout=layout, strategy=strategy, tuning=SMALL, **options)
@@ -765,14 +767,16 @@ for key, kind, strategy, p, options, upstream in jax_split_cases(jit, strategies
     if kind in ("topk", "dense"):
         extra = dict(target=None if p.y is None else put(p.y.astype(np.int32), *rows),
                      row_mask=None if p.mask is None else put(p.mask, *rows), num_items_in_batch=upstream[1])
+        none = options.get("reduction") == "none"
         if kind == "topk":
             ids, lp = (put(a, *rows, None) for a in p.teacher)
             local = lambda x, W, b=None: jax_impl.linear_topk_distillation(x, W, ids, lp, linear_bias=b, **call, **extra)
-        else:
+            f = to_mesh(local, P(*lead) if none else P())
+        else:  # the teacher's head split as the student's inside shard_map, whole under jit
             xt, Wt = put(p.teacher[0], *rows, None), put(p.teacher[1], None, None)
-            local = lambda x, W: jax_impl.linear_distillation(x, W, xt, Wt, **call, **extra)
-        none = options.get("reduction") == "none"
-        f = to_mesh(local, P(*lead) if none else P())
+            local = lambda x, W, xt, Wt: jax_impl.linear_distillation(x, W, xt, Wt, **call, **extra)
+            specs += (P(*lead, None), specs[1])
+            f = lambda x, W, g=to_mesh(local, P(*lead) if none else P()): g(x, W, xt, Wt)
         loss, vjp = jax.vjp(f, *args)
         grads = vjp(jnp.asarray(upstream[0], jnp.float32))
         out[key + "|loss"] = loss
@@ -807,16 +811,18 @@ print("done" if not gathered else "gathered")
 
 def jax_split_cases(jit: bool = False, strategies=("speed", "memory", "chunked")):
     """(key, kind, strategy, problem, options, upstream) of the JAX split-head tests: every
-    top-K distillation (upstream: the loss's gradient and num_items_in_batch),
-    `linear_log_probs` and `linear_policy_loss` test case, fp32, 52 classes (equal slices
-    on 2 devices). jit: the dense teacher's cases too, and 14 rows (for 2 devices) where a
-    case sets no shape; strategies: those to run."""
+    top-K and dense distillation (upstream: the loss's gradient and num_items_in_batch;
+    split heads: the dense teacher's of the student's size), `linear_log_probs` and
+    `linear_policy_loss` test case, fp32, 52 classes (equal slices on 2 devices). jit: 14
+    rows (for 2 devices) where a case sets no shape; strategies: those to run."""
     from tests import test_log_probs, test_policy_loss
     from tests.distill_frameworks import DENSE_CASES, TOPK_CASES, case_inputs
 
     lead = (14,) if jit else None
-    for kind, cases in (("topk", TOPK_CASES), ("dense", DENSE_CASES if jit else {})):
+    for kind, cases in (("topk", TOPK_CASES), ("dense", DENSE_CASES)):
         for case in cases:
+            if kind == "dense" and not jit and "teacher_vocab" in cases[case][1]:
+                continue  # a split needs the teacher's slices to hold the student's classes
             for strategy in strategies:
                 p, options, g, count, _ = case_inputs(kind, case, "float32", vocab=52, lead=lead)
                 yield f"{kind}|{case}|{strategy}", kind, strategy, p, options, (g, count)
@@ -867,11 +873,13 @@ def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
 @pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=MULTI_GPU)])
 def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices, mode):
     """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode) or of 2 GPUs,
-    every test case and strategy of `linear_topk_distillation`, `linear_log_probs`
+    every test case and strategy of `linear_topk_distillation`, `linear_distillation` (both
+    heads split alike; its teacher of the student's size), `linear_log_probs`
     (log-probabilities, entropy, argmax and both upstream gradients) and
     `linear_policy_loss`: inside jax.shard_map (check_vma=True) with the head split over
     "tp" (`vocab_parallel`), or under jax.jit with the operands sharded (the head over "tp",
-    the rows over "dp" where they divide; `linear_distillation` too, its heads whole):
+    or for "memory" over "dp" as FSDP shards it, the rows over "dp" where they divide;
+    the dense teacher's heads gathered):
     the float64 reference's outputs and gradients, and under jit nothing the size of the
     input gathered."""
     from tests import test_log_probs, test_policy_loss

@@ -19,7 +19,7 @@ from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
 from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
 from interop.tuning import Tuning
-from torch_impl import log_probs
+from torch_impl import custom_ops, log_probs, log_probs_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.autograd import first_order_only, scale_formed
 from torch_impl.blocks import BlockPlan
@@ -105,7 +105,6 @@ def _per_token(name: str, t, shape, input, wide):
                          "(a per-sequence advantage [B] of targets [B, T] is advantages[:, None])") from None
 
 
-@torch.compiler.disable
 def linear_policy_loss(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -165,17 +164,74 @@ def linear_policy_loss(
         the loss, 0-d, fp32 (fp64 for fp64 input), differentiable in input, linear_weight and
         linear_bias (not in the per-token tensors, as RL trainers treat them).
 
-    Inside torch.compile the call runs eagerly (a graph break).
+    Inside torch.compile the call is linear_log_probs' custom op followed by the token
+    terms as traced tensor operations, their gradients those of the eager call (the model
+    compiles whole, ``fullgraph=True``): "speed" there recomputes the logits in the backward
+    pass as "memory" does (8 N D V flops); a bad target gives a NaN loss instead of raising.
+    With vocab_parallel it runs as one eager step (a graph break).
     """
-    check_tensors(input, dict(linear_weight=linear_weight, target=target),
-                  dict(linear_bias=linear_bias, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                       token_weight=token_weight, **({"advantages": advantages} if isinstance(advantages, torch.Tensor)
-                                                     else {})))
+    kwargs = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, token_weight=token_weight,
+                  epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, entropy_coef=entropy_coef,
+                  linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+                  weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
+                  tuning=tuning)
+    if torch.compiler.is_compiling() and vocab_parallel is None:
+        return _compiled(input, linear_weight, target, advantages, **kwargs)
+    return _eager(input, linear_weight, target, advantages, **kwargs, vocab_parallel=vocab_parallel)
+
+
+def _tensor_arguments(linear_bias, given: dict) -> dict:
+    """The optional tensor arguments by name, for check_tensors (a number advantage is none)."""
+    return dict(linear_bias=linear_bias, **{k: v for k, v in given.items() if isinstance(v, torch.Tensor)})
+
+
+def _with_gradients(total, pairs):
+    """total (the loss, a value) with the gradients d total / d t = g for each (g, t) of
+    pairs (g None: none): the token terms' own derivatives, which autograd of their formula
+    would not give (on-policy, r is 1 with derivative r)."""
+    for g, t in pairs:
+        if g is not None:
+            product = g.detach() * t
+            total = total + torch.where(torch.isfinite(product.detach()), product - product.detach(), 0).sum()
+    return total
+
+
+def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, epsilon_low,
+              epsilon_high, beta, entropy_coef, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+              accumulate_in_input_dtype, tuning):
+    """The call inside torch.compile: `log_probs_ops` (which checks the head's arguments when
+    traced), then `token_terms`."""
+    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
+    o.check_references(ref_log_probs)
+    given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                 token_weight=token_weight)
+    input, linear_weight, linear_bias = custom_ops.compiled_call(
+        input, dict(linear_weight=linear_weight, target=target), _tensor_arguments(linear_bias, given), "none", None, linear_weight, linear_bias)
+    ignore_index = LogProbsOptions(temperature, softcap, ignore_index).ignore_index
+    logp, entropy, _ = log_probs_ops.linear_log_probs(
+        input, linear_weight, target, linear_bias=linear_bias, temperature=temperature, softcap=softcap,
+        ignore_index=ignore_index, weight_layout=weight_layout, strategy=strategy,
+        accumulate_in_input_dtype=accumulate_in_input_dtype, tuning=check_tuning(tuning))
+    logp, entropy = logp.reshape(-1), entropy.reshape(-1)
+    tokens = {k: _per_token(k, given[k], target.shape, input, logp.dtype) for k in TOKEN_ARGUMENTS}
+    valid = target.reshape(-1) != ignore_index
+    if tokens["token_weight"] is None:
+        tokens["token_weight"] = mean_weight(torch, valid, torch.zeros_like(logp))
+    loss, g, g_h = token_terms(torch, o, logp.detach(), entropy.detach(), valid, *(tokens[k] for k in TOKEN_ARGUMENTS))
+    return _with_gradients(loss.sum(), ((g, logp), (g_h, entropy)))
+
+
+@torch.compiler.disable
+def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, epsilon_low,
+           epsilon_high, beta, entropy_coef, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+           accumulate_in_input_dtype, tuning, vocab_parallel):
+    """The eager call (and a split head's step in compiled code)."""
+    given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                 token_weight=token_weight)
+    check_tensors(input, dict(linear_weight=linear_weight, target=target), _tensor_arguments(linear_bias, given))
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
     wide = compute_dtype(input.dtype)
-    given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                 token_weight=token_weight)
     tokens = {}
 
     def checked():
