@@ -23,61 +23,44 @@ SPLIT, SEQUENCE = MODES[3][0], MODES[5][0]
 GATHERED = "gathered"  # the cell works, on every device's whole operand
 
 _VP = "tests/test_vocab_parallel.py::"
-_STRATEGIES = ("speed", "memory", "chunked")
+_MATCHES = "::test_matches_reference"
+_JAX_SPLIT = _VP + "test_jax_split_heads_and_sharded_operands_match_reference"
 
 
-def _strategies(test: str) -> dict:
-    return {mode: test for mode in _STRATEGIES}
+def _row(strategies: str, split: str | None, compiled: str | None = None, jit: str | None = None,
+         jit_vocab: str | None = None, **more) -> dict:
+    """One (framework, loss)'s cells: the test of its three strategies (a file), of its split
+    head, of torch.compile, of jit (rows, vocabulary, FSDP; jit_vocab where the vocabulary's
+    differs), and `more` by column."""
+    cells = {mode: f"tests/{strategies}{_MATCHES}" for mode in ("speed", "memory", "chunked")}
+    cells |= {SPLIT: split, MODES[6][0]: compiled, MODES[7][0]: jit, MODES[8][0]: jit_vocab or jit, MODES[9][0]: jit}
+    return {mode: test for mode, test in (cells | more).items() if test is not None}
 
 
-def _jit(test: str, vocab=None) -> dict:
-    return {MODES[7][0]: test, MODES[8][0]: vocab or test, MODES[9][0]: test}
-
-
+_COMPILE = "tests/test_compile.py::"
 # {(framework, loss): {column: the test (path::function) that checks it, or GATHERED}}
 CELLS = {
-    ("torch", "cross_entropy"): {
-        **_strategies("tests/test_implementations.py::test_matches_reference"),
-        SPLIT: _VP + "test_vocab_parallel_matches_reference",
-        "DTensor head": _VP + "test_dtensor_head_sharded_on_the_vocabulary",
-        SEQUENCE: _VP + "test_sequence_parallel_matches_reference",
-        MODES[6][0]: "tests/test_compile.py::test_compiled_call_matches_float64_reference"},
-    ("torch", "topk"): {
-        **_strategies("tests/test_distillation.py::test_matches_reference"),
-        SPLIT: _VP + "test_distillation_with_a_split_head_matches_reference",
-        MODES[6][0]: "tests/test_compile.py::test_compiled_topk_distillation_matches_eager"},
-    ("torch", "dense"): {
-        **_strategies("tests/test_distillation.py::test_matches_reference"),
-        SPLIT: _VP + "test_distillation_with_a_split_head_matches_reference",
-        MODES[6][0]: "tests/test_compile.py::test_compiled_dense_distillation_matches_eager"},
-    ("torch", "log_probs"): {
-        **_strategies("tests/test_log_probs.py::test_matches_reference"),
-        SPLIT: _VP + "test_log_probs_and_policy_loss_with_a_split_head_match_reference",
-        MODES[6][0]: "tests/test_compile.py::test_compiled_log_probs_match_eager"},
-    ("torch", "policy"): {
-        **_strategies("tests/test_policy_loss.py::test_matches_reference"),
-        SPLIT: _VP + "test_log_probs_and_policy_loss_with_a_split_head_match_reference",
-        MODES[6][0]: "tests/test_compile.py::test_compiled_policy_loss_matches_eager"},
-    ("jax", "cross_entropy"): {
-        **_strategies("tests/test_implementations.py::test_matches_reference"),
-        SPLIT: _VP + "test_jax_vocab_parallel_in_shard_map_matches_reference",
-        **_jit(_VP + "test_jax_jit_partitions_sharded_operands_instead_of_gathering")},
-    ("jax", "topk"): {
-        **_strategies("tests/test_distillation.py::test_matches_reference"),
-        SPLIT: _VP + "test_jax_split_heads_and_sharded_operands_match_reference",
-        **_jit(_VP + "test_jax_split_heads_and_sharded_operands_match_reference")},
-    ("jax", "dense"): {
-        **_strategies("tests/test_distillation.py::test_matches_reference"),
-        SPLIT: _VP + "test_jax_split_heads_and_sharded_operands_match_reference",
-        **_jit(_VP + "test_jax_split_heads_and_sharded_operands_match_reference", vocab=GATHERED)},
-    ("jax", "log_probs"): {
-        **_strategies("tests/test_log_probs.py::test_matches_reference"),
-        SPLIT: _VP + "test_jax_split_heads_and_sharded_operands_match_reference",
-        **_jit(_VP + "test_jax_split_heads_and_sharded_operands_match_reference")},
-    ("jax", "policy"): {
-        **_strategies("tests/test_policy_loss.py::test_matches_reference"),
-        SPLIT: _VP + "test_jax_split_heads_and_sharded_operands_match_reference",
-        **_jit(_VP + "test_jax_split_heads_and_sharded_operands_match_reference")},
+    ("torch", "cross_entropy"): _row(
+        "test_implementations.py", _VP + "test_vocab_parallel_matches_reference",
+        _COMPILE + "test_compiled_call_matches_float64_reference",
+        **{"DTensor head": _VP + "test_dtensor_head_sharded_on_the_vocabulary",
+           SEQUENCE: _VP + "test_sequence_parallel_matches_reference"}),
+    ("torch", "topk"): _row("test_distillation.py", _VP + "test_distillation_with_a_split_head_matches_reference",
+                            _COMPILE + "test_compiled_topk_distillation_matches_eager"),
+    ("torch", "dense"): _row("test_distillation.py", _VP + "test_distillation_with_a_split_head_matches_reference",
+                             _COMPILE + "test_compiled_dense_distillation_matches_eager"),
+    ("torch", "log_probs"): _row("test_log_probs.py",
+                                 _VP + "test_log_probs_and_policy_loss_with_a_split_head_match_reference",
+                                 _COMPILE + "test_compiled_log_probs_match_eager"),
+    ("torch", "policy"): _row("test_policy_loss.py",
+                              _VP + "test_log_probs_and_policy_loss_with_a_split_head_match_reference",
+                              _COMPILE + "test_compiled_policy_loss_matches_eager"),
+    ("jax", "cross_entropy"): _row("test_implementations.py", _VP + "test_jax_vocab_parallel_in_shard_map_matches_reference",
+                                   jit=_VP + "test_jax_jit_partitions_sharded_operands_instead_of_gathering"),
+    ("jax", "topk"): _row("test_distillation.py", _JAX_SPLIT, jit=_JAX_SPLIT),
+    ("jax", "dense"): _row("test_distillation.py", _JAX_SPLIT, jit=_JAX_SPLIT, jit_vocab=GATHERED),
+    ("jax", "log_probs"): _row("test_log_probs.py", _JAX_SPLIT, jit=_JAX_SPLIT),
+    ("jax", "policy"): _row("test_policy_loss.py", _JAX_SPLIT, jit=_JAX_SPLIT),
 }
 
 
