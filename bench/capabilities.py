@@ -54,7 +54,7 @@ CELLS = {
                                  _COMPILE + "test_compiled_log_probs_match_eager"),
     ("torch", "policy"): _row("test_policy_loss.py",
                               _VP + "test_log_probs_and_policy_loss_with_a_split_head_match_reference",
-                              _COMPILE + "test_compiled_policy_loss_matches_eager"),
+                              _COMPILE + "test_compiled_policy_loss_matches_reference"),
     ("jax", "cross_entropy"): _row("test_implementations.py", _VP + "test_jax_vocab_parallel_in_shard_map_matches_reference",
                                    jit=_VP + "test_jax_jit_partitions_sharded_operands_instead_of_gathering"),
     ("jax", "topk"): _row("test_distillation.py", _JAX_SPLIT, jit=_JAX_SPLIT),

@@ -322,27 +322,17 @@ def test_compiled_log_probs_match_eager(strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("case", ["on-policy", "clipped-kl-entropy-weights"])
-def test_compiled_policy_loss_matches_eager(strategy, case):
-    """`linear_policy_loss` compiles whole (fullgraph): on-policy GRPO (old_log_probs None,
-    a per-sequence advantage), and with old and reference log-probabilities, the KL and
-    entropy terms and token weights: the eager call's loss and gradients."""
-    gen = torch.Generator().manual_seed(10)
-    x, W = _head(gen)
-    b = torch.randn(V, generator=gen).to(DEV).requires_grad_()
-    y = _labels((N,), gen, ignored=(1, 4))
-    extra = {}
-    if case != "on-policy":
-        near = lambda: (torch.randn(N, generator=gen) * 0.5 - 4.0).to(DEV)
-        extra = dict(old_log_probs=near(), ref_log_probs=near(), beta=0.04, entropy_coef=0.01, epsilon_high=0.28,
-                     token_weight=torch.rand(N, generator=gen).to(DEV))
-    advantages = torch.randn(N, generator=gen).to(DEV) if extra else 0.7
+@pytest.mark.parametrize("case", ["on-policy", "clipped-kl", "entropy-T-bias-softcap", "weights-ignore"])
+def test_compiled_policy_loss_matches_reference(strategy, case):
+    """`linear_policy_loss` compiles whole (fullgraph): every case of tests/test_policy_loss.py
+    (on-policy GRPO with a per-sequence advantage; old and reference log-probabilities, the
+    KL, the entropy bonus, token weights, a custom ignore_index) gives the float64
+    reference's loss and gradients at the dtype's tolerance."""
+    from tests import test_policy_loss
 
-    def f(x, W, b):
-        return torch_impl.linear_policy_loss(x, W, y, advantages, linear_bias=b, temperature=0.7, strategy=strategy,
-                                             tuning=SMALL_BLOCKS, **extra)
-
-    _compare(f, (x, W, b), (0, 1, 2), reduce=lambda out: out * 2.5)
+    p, options, tokens = test_policy_loss._problem(case, "float32")
+    got = test_policy_loss.run_torch(p, options, tokens, strategy, device=DEV, compiled=True)
+    test_policy_loss.check(got, test_policy_loss._reference(p, options, tokens), "float32", p.logit_scale, case)
 
 
 def test_compiled_distillation_and_log_probs_give_nan_rows_for_bad_ids():

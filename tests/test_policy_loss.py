@@ -61,8 +61,9 @@ def _reference(p, options, tokens):
                                         **tokens)
 
 
-def run_torch(p, options, tokens, strategy, device=None, layouts=None, tuning=SMALL):
-    """{"loss", "grad_x", "grad_W", "grad_b"} as float64 numpy."""
+def run_torch(p, options, tokens, strategy, device=None, layouts=None, tuning=SMALL, compiled=False):
+    """{"loss", "grad_x", "grad_W", "grad_b"} as float64 numpy; compiled: the call under
+    torch.compile(fullgraph=True)."""
     import torch_impl
 
     device = device or default_device()
@@ -74,8 +75,13 @@ def run_torch(p, options, tokens, strategy, device=None, layouts=None, tuning=SM
     y = lay("y", torch.tensor(p.y, device=device))
     tok = {k: lay(k, torch.tensor(v, device=device).to(dtype if dtype == torch.float64 else torch.float32))
            for k, v in tokens.items()}
-    loss = torch_impl.linear_policy_loss(x, W, y, linear_bias=b, weight_layout=p.weight_layout, strategy=strategy,
-                                         tuning=tuning, **options, **tok)
+    def call(x, W, y, b, tok):  # the options constants of the compiled code, as a model's
+        return torch_impl.linear_policy_loss(x, W, y, linear_bias=b, weight_layout=p.weight_layout, strategy=strategy,
+                                             tuning=tuning, **options, **tok)
+
+    if compiled:
+        call = torch.compile(call, fullgraph=True, backend="aot_eager")
+    loss = call(x, W, y, b, tok)
     assert loss.dtype == (torch.float64 if p.dtype == "float64" else torch.float32) and loss.shape == ()
     grads = torch.autograd.grad(SCALE * loss, [t for t in (x, W, b) if t is not None])
     out = dict(zip(("grad_x", "grad_W", "grad_b"), (g.double() / SCALE for g in grads)), loss=loss)
