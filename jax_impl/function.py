@@ -35,7 +35,9 @@ def _layout(cfg: BlockedConfig, outputs: tuple) -> Layout:
 def _local(cfg: BlockedConfig, axes: Axes, x_ND, W, y_N, cw_V):
     """(configuration, scale): the plan for a device's rows and classes, with split rows
     "mean" as "sum" and scale the reciprocal of every device's valid rows' summed class
-    weight (else None)."""
+    weight (else None); on whole operands, the call's own."""
+    if not axes.rows and axes.vocab is None:
+        return cfg, None
     opts, scale = cfg.options, None
     vocab = W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
     if axes.rows and opts.reduction == "mean":
