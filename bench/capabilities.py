@@ -76,7 +76,9 @@ def capabilities_section() -> str:
                else "" if only not in (None, framework) else "no" for mode, only in MODES]
         lines.append("| " + " | ".join([name, *row]) + " |")
     caption = ("Every loss in every execution mode (generated from `bench/capabilities.py`, which names the test of "
-               "each cell; each checks it against the float64 reference on the CPU: gloo ranks, fake JAX devices). "
+               "each cell; each checks it against the float64 reference on the CPU, on gloo ranks and fake JAX "
+               "devices, or, for `torch.compile` of the distillation losses and log-probabilities, against the eager "
+               "call). "
                "`vocab_parallel` is a process group in PyTorch and a `shard_map` axis in JAX; `jit` rows: the "
                "unchanged call on sharded arrays.")
     return caption + "\n\n" + "\n".join(lines) + "\n"

@@ -116,6 +116,8 @@ def main(argv=None):
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     shapes = [tuple(int(s) for s in shape.split("x")) for shape in args.shapes]
+    if args.loss != "cross_entropy" and "naive" in (args.methods or ()):
+        parser.error(f"--methods naive is cross-entropy's only (--loss {args.loss})")
     methods = args.methods or [m for m in METHODS if m != "naive" or args.loss == "cross_entropy"]
     records = run(shapes, methods, args.dtype, args.tp or jax.device_count(), args.fsdp, args.repeat, args.loss)
     if args.json:

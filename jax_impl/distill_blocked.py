@@ -23,8 +23,8 @@ from jax_impl import partitioned
 from jax_impl.blocked import Head
 from jax_impl.partitioned import Axes, Layout
 from jax_impl.steps import steps_of
-from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, global_denominator, put_entries, reduce_rows,
-                                   row_weights, topk_row_terms)
+from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, global_denominator, put_entries,
+                                   reduce_rows, row_weights, topk_row_terms)
 from jax_impl.rows import compute_dtype, row_loop
 from jax_impl.vocab_parallel import global_lse, local_columns, summed_grad_input
 
@@ -49,6 +49,12 @@ class DistillConfig:
     @property
     def ops(self):
         return steps_of(self.strategy, self.interpret)
+
+    @property
+    def unpartitioned(self) -> bool:
+        """jax.numpy passes ("chunked") run as they are (`partitioned.run`'s whole): XLA
+        partitions them itself, and they stay twice differentiable."""
+        return self.strategy == "chunked"
 
     def head(self, x, W, b=None) -> Head:
         logits = compute_dtype(x.dtype) if self.ops.compute_logits else None
@@ -187,7 +193,7 @@ def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num
 
 def _topk_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
     """The top-K passes' operands after `head` (the upstream gradient's factors, or none):
-    x, W, b, the teacher's entries (`_teacher_rows`), y, valid, num_items; outputs named,
+    x, W, b, the teacher's entries (`TopKTeacher`'s fields), y, valid, num_items; outputs named,
     "W" for W's factors."""
     w = "v d" if cfg.weight_layout == "VD" else "d v"
     operands = head + ("n d", w, "v", "n k", "n k", "n k", "n k", "n k", "n", "n", "n", "")
@@ -220,7 +226,7 @@ def _topk_passes_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, wi
     grads = ("n d", "W", None if b_V is None else "v") if with_grads else (None,) * 3
     layout = _topk_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n", "n k") + grads)
     loss, *rest = partitioned.run(_topk_forward_pass, (cfg, with_grads), layout, x_ND, W, b_V, *teacher,
-                                  y_N, valid_N, num_items, axis=axis)
+                                  y_N, valid_N, num_items, axis=axis, whole=cfg.unpartitioned)
     return loss, tuple(rest[:4]), (tuple(rest[4:]) if with_grads else None)
 
 
@@ -254,7 +260,7 @@ def _topk_bwd(cfg, axis, res, g_loss):
     num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
     layout = _topk_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n k"), ("n d", "W", None if b_V is None else "v"))
     grads = partitioned.run(_topk_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, b_V, *teacher,
-                            y_N, valid_N, num_items, axis=axis)
+                            y_N, valid_N, num_items, axis=axis, whole=cfg.unpartitioned)
     return grads + (None,) * 4
 
 
@@ -370,7 +376,7 @@ def _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grad
     grads = ("n d", "W") if with_grads else (None,) * 2
     layout = _dense_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n") + grads)
     loss, *rest = partitioned.run(_dense_forward_pass, (cfg, with_grads), layout, x_ND, W, xt_ND, Wt, valid_N,
-                                  num_items, axis=axis)
+                                  num_items, axis=axis, whole=cfg.unpartitioned)
     return loss, tuple(rest[:3]), (tuple(rest[3:]) if with_grads else None)
 
 
@@ -398,7 +404,7 @@ def _dense_bwd(cfg, axis, res, g_loss):
     num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
     layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n"), ("n d", "W"))
     return partitioned.run(_dense_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, xt_ND, Wt, valid_N,
-                           num_items, axis=axis) + (None,) * 4
+                           num_items, axis=axis, whole=cfg.unpartitioned) + (None,) * 4
 
 
 dense_distillation.defvjp(_dense_fwd, _dense_bwd)

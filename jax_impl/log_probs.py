@@ -108,7 +108,8 @@ def forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None, axis: str | None =
     (`jax_impl.rows.row_loop`; the others' outputs are 0), or None. axis: the shard_map axis
     of a head split over the vocabulary (W and b this device's classes, y global), or None;
     under jit, split over sharded operands (`jax_impl.partitioned`)."""
-    return partitioned.run(_forward_pass, cfg, _layout(cfg, ("n",), ("n",) * 4), x_ND, W, b_V, y_N, keep, axis=axis)
+    return partitioned.run(_forward_pass, cfg, _layout(cfg, ("n",), ("n",) * 4), x_ND, W, b_V, y_N, keep, axis=axis,
+                           whole=cfg.unpartitioned)
 
 
 def _forward_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, keep):
@@ -134,7 +135,8 @@ def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream,
     [N] arrays given by rows; keep and axis: as for `forward` (the other rows' dx is 0; on a
     split head, dx is summed over the axis)."""
     layout = _layout(cfg, ("n",) * (1 + len(per_row)), ("n", "n") + _grads_factors(b_V))
-    return partitioned.run(_with_grads_pass, (cfg, upstream), layout, x_ND, W, b_V, y_N, keep, *per_row, axis=axis)
+    return partitioned.run(_with_grads_pass, (cfg, upstream), layout, x_ND, W, b_V, y_N, keep, *per_row, axis=axis,
+                           whole=cfg.unpartitioned)
 
 
 def _with_grads_pass(static, axes: Axes, x_ND, W, b_V, y_N, keep, *per_row):
@@ -183,7 +185,8 @@ def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=N
     g_H None when the entropy has none), recomputing the logits block by block; keep and
     axis: as for `forward_with_grads`."""
     layout = _layout(cfg, ("n",) * 5, _grads_factors(b_V))
-    return partitioned.run(_grads_pass, cfg, layout, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep, axis=axis)
+    return partitioned.run(_grads_pass, cfg, layout, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep, axis=axis,
+                           whole=cfg.unpartitioned)
 
 
 def _grads_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep):

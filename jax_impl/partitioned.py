@@ -79,11 +79,15 @@ class _Pass:
         return tuple(o for o, spec in zip(outs, self.layout.outputs) if spec is not None)
 
 
-def run(body, static, layout: Layout, *operands, axis: str | None = None):
+def run(body, static, layout: Layout, *operands, axis: str | None = None, whole: bool = False):
     """body(static, Axes(vocab=axis), *operands) over the whole operands; under jit, split
     over the devices of sharded operands as the module says. axis: the caller's own
-    shard_map axis splitting the head (the body then runs as it is, inside shard_map)."""
-    if axis is not None:
+    shard_map axis splitting the head (the body then runs as it is, inside shard_map).
+    whole: run the body as it is anywhere (jax.numpy passes, which XLA partitions itself
+    and which stay differentiable twice; a partitioned pass is not differentiable)."""
+    if len(operands) != len(layout.operands):
+        raise ValueError(f"a pass of {len(layout.operands)} operands called with {len(operands)}")
+    if axis is not None or whole:
         return body(static, Axes(vocab=axis), *operands)
     layout = dataclasses.replace(layout, operands=tuple(None if a is None else spec
                                                         for a, spec in zip(operands, layout.operands)))
@@ -138,13 +142,17 @@ def _axes(entry) -> tuple:
 
 
 def _split(job: _Pass, mesh, arg_shapes) -> Axes:
-    """The Axes of a pass from its operands' shardings: the first row operand's rows, the
-    first head's (an operand with classes and another dimension) classes."""
+    """The Axes of a pass from its operands' shardings: the rows of the first operand of
+    rows and another dimension (the input, whose sharding is the caller's; an upstream
+    gradient's can be anything), the classes of the first head (an operand with classes
+    and another dimension)."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     specs, _ = _factors(job.layout)
     spec_of = lambda a: tuple(getattr(a.sharding, "spec", ()) or ())
     rows, vocab = (), None
-    x = next((a, s.split()) for a, s in zip(arg_shapes, specs) if s.split()[:1] == ["n"])
+    x = next(((a, s.split()) for a, s in zip(arg_shapes, specs) if s.split()[:1] == ["n"] and len(s.split()) > 1), None)
+    if x is None:
+        raise ValueError(f"a partitioned pass needs an operand of rows and another dimension, got {specs}")
     entries = spec_of(x[0])
     if entries:
         rows = _axes(entries[0])

@@ -4,8 +4,8 @@
   or only named by the operands' NamedShardings): an array's sharding is part of its type,
   and products whose contracted rows are sharded, or the Pallas interpreter's updates of
   its outputs, have no sharding JAX can infer. The loss runs with those axes made Auto
-  (`jax.sharding.auto_axes`): XLA's partitioner places the work, the kernels (custom
-  calls) on whole operands; its outputs are replicated, or sharded as the input's rows for
+  (`jax.sharding.auto_axes`): XLA's partitioner places the work, the kernels' passes split
+  by `jax_impl.partitioned`; its outputs are replicated, or sharded as the input's rows for
   per-row outputs.
 - Manual axes (inside `jax.shard_map`, whose default check_vma=True types every value
   with the axes it varies over): the operands are cast to vary over every axis that any of

@@ -17,6 +17,7 @@ import torch
 
 import torch_impl
 from interop.reference import linear_cross_entropy_reference
+from tests import test_policy_loss
 from tests.frameworks import SMALL_BLOCKS, device
 
 DEV = torch.device(device())
@@ -322,14 +323,12 @@ def test_compiled_log_probs_match_eager(strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("case", ["on-policy", "clipped-kl", "entropy-T-bias-softcap", "weights-ignore"])
+@pytest.mark.parametrize("case", sorted(test_policy_loss.CASES))
 def test_compiled_policy_loss_matches_reference(strategy, case):
     """`linear_policy_loss` compiles whole (fullgraph): every case of tests/test_policy_loss.py
     (on-policy GRPO with a per-sequence advantage; old and reference log-probabilities, the
     KL, the entropy bonus, token weights, a custom ignore_index) gives the float64
     reference's loss and gradients at the dtype's tolerance."""
-    from tests import test_policy_loss
-
     p, options, tokens = test_policy_loss._problem(case, "float32")
     got = test_policy_loss.run_torch(p, options, tokens, strategy, device=DEV, compiled=True)
     test_policy_loss.check(got, test_policy_loss._reference(p, options, tokens), "float32", p.logit_scale, case)

@@ -348,6 +348,33 @@ def test_chunked_second_derivatives_match_finite_differences():
         assert rel_err(hessian @ v.reshape(-1), want.reshape(-1)) <= 1e-6
 
 
+@pytest.mark.parametrize("loss", ["topk", "dense", "log_probs", "policy"])
+def test_chunked_second_derivatives_of_the_other_losses(loss):
+    """"chunked" stays twice differentiable for every loss (its passes run as plain XLA, not
+    through the partitioner): a Hessian-vector product agrees with central differences of
+    the gradient (x64)."""
+    with jax.enable_x64(True):
+        if loss in ("topk", "dense"):
+            p = distill_frameworks.make_problem(loss, 44, lead=(5,), hidden=6, vocab=11)
+            W = jnp.asarray(p.W, jnp.float64)
+            teacher = tuple(jnp.asarray(a, jnp.float64 if loss == "dense" or i else None) for i, a in enumerate(p.teacher))
+            impl = jax_impl.linear_topk_distillation if loss == "topk" else jax_impl.linear_distillation
+            f = lambda x: impl(x, W, *teacher, temperature=0.7, strategy="chunked")
+        else:
+            p = make_problem(44, lead=(5,), hidden=6, vocab=11)
+            W, y = jnp.asarray(p.W, jnp.float64), jnp.asarray(p.y)
+            if loss == "log_probs":
+                f = lambda x: (lambda lp, h: (lp * lp).sum() + h.sum())(
+                    *jax_impl.linear_log_probs(x, W, y, return_entropy=True, strategy="chunked"))
+            else:
+                f = lambda x: jax_impl.linear_policy_loss(x, W, y, 0.5, entropy_coef=0.1, strategy="chunked")
+        x = jnp.asarray(p.x, jnp.float64)
+        v = jnp.asarray(np.random.default_rng(44).standard_normal(x.shape))
+        h = 1e-5
+        want = (jax.grad(f)(x + h * v) - jax.grad(f)(x - h * v)) / (2 * h)
+        assert rel_err(jax.jit(_hvp, static_argnums=0)(f, x, v), want) <= 1e-5
+
+
 @pytest.mark.parametrize("loss", ["cross_entropy", "topk", "dense"])
 @pytest.mark.parametrize("strategy", KERNEL_STRATEGIES)
 def test_kernel_strategies_refuse_second_derivatives_clearly(strategy, loss):

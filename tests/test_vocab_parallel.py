@@ -798,11 +798,14 @@ for key, kind, strategy, p, options, upstream in jax_split_cases(jit, strategies
         loss, grads = jax.value_and_grad(f, argnums=tuple(range(len(args))))(*args)
         out[key + "|loss"] = loss
     out.update({f"{key}|{name}": g for name, g in zip(("grad_x", "grad_W", "grad_b"), grads)})
-    if jit and rows[0] == "dp":  # nothing the size of the input gathered
-        shape = ",".join(map(str, p.x.shape))
+    if jit and strategy != "chunked":  # the kernels' passes split: no input gathered, no head split on "tp"
         hlo = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0] if kind == "log_probs" else f(*a)),
                                argnums=tuple(range(len(args))))).lower(*args).compile().as_text()
-        gathered += [(key, line.strip()[:100]) for line in hlo.splitlines() if " all-gather(" in line and f"[{shape}]" in line]
+        lines = [line.strip()[:100] for line in hlo.splitlines() if " all-gather(" in line]
+        x_shape, w_shape = (",".join(map(str, a.shape)) for a in (p.x, p.W))
+        gathered += [(key, "input", line) for line in lines if rows[0] == "dp" and f"[{x_shape}]" in line]
+        gathered += [(key, "head", line) for line in lines
+                     if head == "tp" and mesh.shape["tp"] > 1 and kind != "dense" and f"[{w_shape}]" in line]
 np.savez(sys.argv[1], **{k: np.asarray(v) for k, v in out.items()})
 print("GATHERED", gathered)
 print("done" if not gathered else "gathered")
@@ -880,8 +883,8 @@ def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices,
     "tp" (`vocab_parallel`), or under jax.jit with the operands sharded (the head over "tp",
     or for "memory" over "dp" as FSDP shards it, the rows over "dp" where they divide;
     the dense teacher's heads gathered):
-    the float64 reference's outputs and gradients, and under jit nothing the size of the
-    input gathered."""
+    the float64 reference's outputs and gradients, and under jit the kernels' passes gather
+    neither the input nor a head sharded on "tp" (the dense teacher's excepted)."""
     from tests import test_log_probs, test_policy_loss
     from tests.distill_frameworks import errors
     from tests.distill_frameworks import reference as distill_reference

@@ -188,11 +188,11 @@ def _tensor_arguments(linear_bias, given: dict) -> dict:
 def _with_gradients(total, pairs):
     """total (the loss, a value) with the gradients d total / d t = g for each (g, t) of
     pairs (g None: none): the token terms' own derivatives, which autograd of their formula
-    would not give (on-policy, r is 1 with derivative r)."""
+    would not give (on-policy, r is 1 with derivative r). Each adds g (t - t) (0, or NaN
+    where g is, as the loss then is); at an infinite t (a target of probability 0) none."""
     for g, t in pairs:
         if g is not None:
-            product = g.detach() * t
-            total = total + torch.where(torch.isfinite(product.detach()), product - product.detach(), 0).sum()
+            total = total + (g.detach() * torch.where(torch.isfinite(t.detach()), t - t.detach(), 0)).sum()
     return total
 
 
