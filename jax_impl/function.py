@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax_impl import blocked, partitioned, vocab_parallel
 from jax_impl.blocked import BlockedConfig
 from jax_impl.partitioned import Axes, Layout
-from jax_impl.rows import TargetRows
+from jax_impl.rows import TargetRows, compute_dtype
 
 
 def _layout(cfg: BlockedConfig, outputs: tuple) -> Layout:
@@ -43,7 +43,7 @@ def _local(cfg: BlockedConfig, axes: Axes, x_ND, W, y_N, cw_V):
     if axes.rows and opts.reduction == "mean":
         opts = dataclasses.replace(opts, reduction="sum")
         whole = vocab * (jax.lax.psum(1, axes.vocab) if axes.vocab else 1)
-        wide = jnp.float64 if x_ND.dtype == jnp.float64 else jnp.float32
+        wide = compute_dtype(x_ND.dtype)
         rows = TargetRows.build(y_N, None if cw_V is None else cw_V.astype(wide), whole, opts.ignore_index, wide)
         scale = 1.0 / jax.lax.psum(rows.cw_y.sum(), axes.rows)
     local = blocked.plan(cfg.tuning, opts, cfg.weight_layout, cfg.strategy, x_ND.shape[0], x_ND.shape[1], vocab,
