@@ -38,6 +38,9 @@ def _row(strategies: str, split: str | None, compiled: str | None = None, jit: s
 
 
 _COMPILE = "tests/test_compile.py::"
+# the other losses' DTensor heads and sequence parallel
+_FORMS = {mode: _VP + "test_other_losses_with_dtensor_heads_and_sequence_parallel_match_reference"
+          for mode in ("DTensor head", SEQUENCE)}
 # {(framework, loss): {column: the test (path::function) that checks it, or GATHERED}}
 CELLS = {
     ("torch", "cross_entropy"): _row(
@@ -46,15 +49,15 @@ CELLS = {
         **{"DTensor head": _VP + "test_dtensor_head_sharded_on_the_vocabulary",
            SEQUENCE: _VP + "test_sequence_parallel_matches_reference"}),
     ("torch", "topk"): _row("test_distillation.py", _VP + "test_distillation_with_a_split_head_matches_reference",
-                            _COMPILE + "test_compiled_topk_distillation_matches_eager"),
+                            _COMPILE + "test_compiled_topk_distillation_matches_eager", **_FORMS),
     ("torch", "dense"): _row("test_distillation.py", _VP + "test_distillation_with_a_split_head_matches_reference",
-                             _COMPILE + "test_compiled_dense_distillation_matches_eager"),
+                             _COMPILE + "test_compiled_dense_distillation_matches_eager", **_FORMS),
     ("torch", "log_probs"): _row("test_log_probs.py",
                                  _VP + "test_log_probs_and_policy_loss_with_a_split_head_match_reference",
-                                 _COMPILE + "test_compiled_log_probs_match_eager"),
+                                 _COMPILE + "test_compiled_log_probs_match_eager", **_FORMS),
     ("torch", "policy"): _row("test_policy_loss.py",
                               _VP + "test_log_probs_and_policy_loss_with_a_split_head_match_reference",
-                              _COMPILE + "test_compiled_policy_loss_matches_reference"),
+                              _COMPILE + "test_compiled_policy_loss_matches_reference", **_FORMS),
     ("jax", "cross_entropy"): _row("test_implementations.py", _VP + "test_jax_vocab_parallel_in_shard_map_matches_reference",
                                    jit=_VP + "test_jax_jit_partitions_sharded_operands_instead_of_gathering"),
     ("jax", "topk"): _row("test_distillation.py", _JAX_SPLIT, jit=_JAX_SPLIT),

@@ -81,6 +81,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, device: str = "cpu")
         results.update(_rl_results(rank, world, group, device))
         results.update(_sequence_parallel_results(rank, world, group, device))
         if world == 2:
+            results.update(_split_form_results(rank, world, group, device))
             results.update(_dtensor_results(world, device))
             results.update(_dtensor_sequence_results(world, device))
             results.update(_gathered_head_results(rank, world, device))
@@ -192,6 +193,120 @@ def _rl_results(rank: int, world: int, group, device: str) -> dict:
         else:
             got = test_policy_loss.run_torch(local, options, *upstream, strategy, device=device, tuning=SKIPPING)
         results.update({f"{kind}|{case}|{strategy}|{dtype}|{key}": value for key, value in got.items()})
+    return results
+
+
+SPLIT_FORMS = ("sp", "dtensor", "dtensor-sp")
+
+
+def _split_form_cases(world: int):
+    """(form, kind, case, strategy): every case of the four other losses (the dense ones whose
+    teacher is cut to the student's classes) with its head split as each of SPLIT_FORMS, the
+    strategies taken in turn. Rows of 12, or a case's own 2 x 7."""
+    from tests import test_log_probs, test_policy_loss
+    from tests.distill_frameworks import TOPK_CASES
+
+    kinds = ([("topk", name) for name in TOPK_CASES] + [("dense", name) for kind, name, *_ in _distill_cases(world)
+                                                         if kind == "dense"]
+             + [("log_probs", case) for case in test_log_probs.CASES] + [("policy", case) for case in test_policy_loss.CASES])
+    strategies = SPLITS[world][1]
+    for i, (kind, case) in enumerate(dict.fromkeys(kinds)):
+        for j, form in enumerate(SPLIT_FORMS):
+            yield form, kind, case, strategies[(i + j) % len(strategies)]
+
+
+def _split_form_problem(kind: str, case: str):
+    """(problem, options, the upstream arguments of its runner, logit scale) of a
+    `_split_form_cases` case, in fp32."""
+    from tests import test_log_probs, test_policy_loss
+    from tests.distill_frameworks import case_inputs
+
+    if kind in ("topk", "dense"):
+        p, options, g, count, scale = case_inputs(kind, case, "float32", lead=(12,))
+        return p, options, (g, count), scale
+    p, options, *upstream = (test_log_probs if kind == "log_probs" else test_policy_loss)._problem(case, "float32",
+                                                                                                  lead=(12,))
+    return p, options, upstream, p.logit_scale
+
+
+def _split_as(form: str, rank: int, world: int, device: str):
+    """(input, head) -> their form with the head split over the ranks: "sp" this rank's part of
+    the rows (`sequence_parallel=True`); "dtensor" a replicated DTensor input and a head
+    sharded on its vocabulary; "dtensor-sp" a DTensor input sharded on its last dimension of
+    rows that divides over the ranks (Shard(1) of [B, S, D] as torchtitan's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh, classes = init_device_mesh(device, (world,)), sum(SPLITS[world][0])
+
+    def rows(x):
+        if form == "dtensor":
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        dim = 0 if form == "sp" else max(d for d in range(x.ndim - 1) if x.shape[d] % world == 0)
+        part = x.chunk(world, dim)[rank]
+        return part if form == "sp" else DTensor.from_local(part, mesh, [Shard(dim)], run_check=False, shape=x.shape,
+                                                            stride=x.stride())
+
+    def head(w, dim):
+        if form == "sp" or w is None:
+            return w
+        shape = list(w.shape)
+        shape[dim] = classes
+        return DTensor.from_local(w, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape).stride())
+
+    return rows, head
+
+
+def _split_form_results(rank: int, world: int, group, device: str) -> dict:
+    """`_split_form_cases` on this rank: each loss called through the runners of its own tests,
+    its arguments put in the form's shape on the way (grad_x is then the gradient of the
+    whole rows' leaf: with the rows split, nonzero on this rank's part only)."""
+    import torch_impl
+    from tests import test_log_probs, test_policy_loss
+    from tests.distill_frameworks import run
+
+    first, size = sum(SPLITS[world][0][:rank]), SPLITS[world][0][rank]
+    names = ("linear_topk_distillation", "linear_distillation", "linear_log_probs", "linear_policy_loss")
+    originals = {name: getattr(torch_impl, name) for name in names}
+    results = {}
+    for form, kind, case, strategy in _split_form_cases(world):
+        rows, head = _split_as(form, rank, world, device)
+
+        def split_call(name):
+            def call(input, linear_weight, *args, vocab_parallel, weight_layout="VD", **options):
+                dim = 0 if weight_layout == "VD" else 1
+                if name == "linear_distillation":
+                    args = (rows(args[0]), head(args[1], dim), *args[2:])
+                if options.get("linear_bias") is not None:
+                    options["linear_bias"] = head(options["linear_bias"], 0)
+                return originals[name](rows(input), head(linear_weight, dim), *args, weight_layout=weight_layout,
+                                       **options,
+                                       **(dict(vocab_parallel=vocab_parallel, sequence_parallel=True) if form == "sp"
+                                          else {}))
+            return call
+
+        p, options, upstream, _ = _split_form_problem(kind, case)
+        axis = 0 if p.weight_layout == "VD" else 1
+        teacher = getattr(p, "teacher", None)
+        if kind == "dense":
+            teacher = (teacher[0], _slice(teacher[1], first, size, axis))
+        local = p.__class__(**{**p.__dict__, "W": _slice(p.W, first, size, axis), "b": _slice(p.b, first, size, 0),
+                               **({} if teacher is None else {"teacher": teacher})})
+        options = {**options, "vocab_parallel": group}
+        for name in names:
+            setattr(torch_impl, name, split_call(name))
+        try:
+            if kind in ("topk", "dense"):
+                got = run("torch", strategy, local, options, *upstream, device=device, tuning=SKIPPING)
+            elif kind == "log_probs":
+                got = test_log_probs.run_torch(local, options, *upstream, device=device, strategy=strategy)
+            else:
+                got = test_policy_loss.run_torch(local, options, *upstream, strategy, device=device, tuning=SKIPPING)
+        finally:
+            for name in names:
+                setattr(torch_impl, name, originals[name])
+        results.update({f"{form}|{kind}|{case}|{strategy}|{key}": value for key, value in got.items()})
     return results
 
 
@@ -485,6 +600,39 @@ def test_dtensor_head_sharded_on_the_vocabulary(sharded_results, form, lead):
         assert rel_err(ranks[r][f"{form}|grad_x"], ref.grad_input) <= 1e-5
         assert rel_err(ranks[r][f"{form}|grad_W"], ref.grad_weight) <= 1e-5
         assert rel_err(ranks[r][f"{form}|grad_b"], ref.grad_bias) <= 1e-5
+
+
+def test_other_losses_with_dtensor_heads_and_sequence_parallel_match_reference(sharded_results):
+    """Top-K and dense distillation, log-probabilities and the policy loss with the head split
+    over 2 ranks by `sequence_parallel=True` (each rank's part of the rows), by a DTensor head
+    sharded on its vocabulary with a replicated DTensor input, and with a DTensor input sharded
+    on its rows: every rank's outputs, the ranks' grad_input (whole, or their parts put
+    together) and their slices of grad_weight and grad_bias equal the float64 reference."""
+    from tests import test_log_probs, test_policy_loss
+    from tests.distill_frameworks import errors
+    from tests.distill_frameworks import reference as distill_reference
+
+    world, ranks = sharded_results
+    if world != 2:
+        pytest.skip("checked with 2 ranks")
+    for form, kind, case, strategy in _split_form_cases(world):
+        p, options, upstream, scale = _split_form_problem(kind, case)
+        got = lambda r, key: ranks[r][f"{form}|{kind}|{case}|{strategy}|{key}"]
+        axis, where = 0 if p.weight_layout == "VD" else 1, f"{form}, {kind}, {case}, {strategy}"
+        for r in range(world):
+            whole = {key: got(r, key) for key in ("loss", "log_probs", "entropy", "argmax", "grad_x")
+                     if f"{form}|{kind}|{case}|{strategy}|{key}" in ranks[r]}
+            if form != "dtensor":  # each rank's gradient is of its own rows
+                whole["grad_x"] = sum(got(q, "grad_x") for q in range(world))
+            whole["grad_W"] = np.concatenate([got(q, "grad_W") for q in range(world)], axis=axis)
+            if p.b is not None:
+                whole["grad_b"] = np.concatenate([got(q, "grad_b") for q in range(world)])
+            if kind in ("topk", "dense"):
+                for key, err in errors(whole, distill_reference(p, options, *upstream)).items():
+                    assert err <= tolerance("float32", scale), f"{where}, rank {r}, {key}: relative error {err:.3g}"
+            else:
+                module = test_log_probs if kind == "log_probs" else test_policy_loss
+                module.check(whole, module._reference(p, options, *upstream), "float32", scale, f"{where}, rank {r}")
 
 
 def test_one_rank_bad_argument_nan_inf_and_views(sharded_results):

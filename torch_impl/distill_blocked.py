@@ -213,7 +213,7 @@ def dense_forward(x, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layout,
     x_ND = x if split is None else split.whole_rows(x)
     group = None if split is None else split.group
     student = _head(x_ND, W, None, layout, plan, ops, vocab, active)
-    teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab, active)
+    teacher = _head(xt_ND if split is None else split.whole_rows(xt_ND), Wt, None, layout, plan, ops, vocab, active)
     n, dev, wide = student.n_rows, x_ND.device, compute_dtype(x_ND.dtype)
     lse_s, lse_t, kl_q = (torch.empty(n, dtype=wide, device=dev) for _ in range(3))
     loss = torch.empty(n, dtype=wide, device=dev)
@@ -257,7 +257,7 @@ def dense_backward(grad_loss, x, W, xt_ND, Wt, valid_N, saved, o, layout, vocab,
     and split as for dense_forward."""
     x_ND = x if split is None else split.whole_rows(x)
     student = _head(x_ND, W, None, layout, plan, ops, vocab, active)
-    teacher = _head(xt_ND, Wt, None, layout, plan, ops, vocab, active)
+    teacher = _head(xt_ND if split is None else split.whole_rows(xt_ND), Wt, None, layout, plan, ops, vocab, active)
     lse_s, lse_t, kl_q = saved
     coef_N = row_weights(valid_N, o.reduction, grad_loss, num_items, lse_s.dtype) * (o.scale / o.temperature)
     dx, dx_acc, dW, _ = student.gradient_buffers(*need, False, wide_dx=split is not None)

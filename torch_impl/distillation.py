@@ -13,7 +13,8 @@ from torch_impl.arguments import autocast_inputs, check_tensors, dense, denomina
 from torch_impl.distill_blocked import DenseDistillation, TopKDistillation
 from torch_impl.steps import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
-from torch_impl.functional import choose_strategy, head_slice, valid_rows_only
+from torch_impl.functional import (choose_strategy, head_slice, runs_compiled, split_operands, valid_rows_only,
+                                  whole_input)
 from torch_impl.rows import compute_dtype
 from torch_impl.vocab_parallel import call_fingerprint, local_targets
 
@@ -68,6 +69,7 @@ def linear_topk_distillation(
     accumulate_in_input_dtype: bool = False,
     tuning: Tuning | None = None,
     vocab_parallel=None,
+    sequence_parallel: bool = False,
 ):
     """Distillation from a top-K sparse teacher, fused with the student's head.
 
@@ -92,7 +94,10 @@ def linear_topk_distillation(
             target included, are the same on every rank. Each rank gathers the teacher's
             ids in its slice; the ranks exchange per-row statistics and the student's
             logits at the K ids (never a row of V logits). The loss is global, grad_weight
-            this rank's slice, grad_input the full gradient (all-reduced).
+            this rank's slice, grad_input the full gradient (all-reduced). A DTensor head
+            sharded on its vocabulary, with a DTensor input, is split the same way.
+        sequence_parallel: with vocab_parallel, input holds this rank's part of the rows, as
+            for linear_cross_entropy (the other per-row arguments hold the whole rows).
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -107,7 +112,7 @@ def linear_topk_distillation(
                   temperature_squared=temperature_squared, weight_soft=weight_soft, weight_hard=weight_hard,
                   reduction=reduction, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, softcap=softcap,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype)
-    if torch.compiler.is_compiling() and vocab_parallel is None:
+    if runs_compiled(vocab_parallel, sequence_parallel, input, linear_weight, linear_bias):
         input, linear_weight, linear_bias = custom_ops.compiled_call(
             input, dict(linear_weight=linear_weight, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs),
             dict(target=target, linear_bias=linear_bias, row_mask=row_mask), reduction, num_items_in_batch,
@@ -115,21 +120,23 @@ def linear_topk_distillation(
         return distill_ops.linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs,
                                                    **{**kwargs, "linear_bias": linear_bias}, tuning=check_tuning(tuning))
     return _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, **kwargs, tuning=tuning,
-                       vocab_parallel=vocab_parallel)
+                       vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
 
 
 @torch.compiler.disable
 def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, linear_bias, row_mask, temperature,
                 renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction,
                 num_items_in_batch, ignore_index, softcap, weight_layout, strategy, accumulate_in_input_dtype, tuning,
-                vocab_parallel):
+                vocab_parallel, sequence_parallel):
+    ((input, linear_weight, linear_bias),), vocab_parallel, rows_dim = split_operands(
+        vocab_parallel, sequence_parallel, weight_layout, (input, linear_weight, linear_bias))
     check_tensors(input, dict(linear_weight=linear_weight, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs),
                   dict(target=target, linear_bias=linear_bias, row_mask=row_mask))
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
     checked = lambda: distill_ops.topk_checked(
-        input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
+        whole_input(input, rows_dim, vocab_parallel), linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
         renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction, ignore_index, softcap,
         weight_layout, strategy)
     split = None
@@ -141,7 +148,7 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
             teacher_ids.shape[-1], target is None, row_mask is None, linear_bias is None, torch.is_grad_enabled(),
             *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)))
         split = head_slice(vocab_parallel, lambda: checked()[1], input.device, fingerprint,
-                           lambda: _valid(*checked(), target, row_mask, input.device).sum())
+                           lambda: _valid(*checked(), target, row_mask, input.device).sum(), rows_dim)
     o, shape = checked()
     first, V = (0, shape.vocab) if split is None else (split.first, split.vocab)
     n, dev = shape.n_rows, input.device
@@ -156,7 +163,7 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
         if bool(bad.any()):
             raise ValueError(target_out_of_range_message(int(y[bad][0]), V, o.ignore_index))
         y_kernel = torch.where(valid, y, y_kernel)
-    x_ND = input.reshape(n, shape.hidden)
+    x_ND = input.reshape(n, shape.hidden) if rows_dim is None else input  # a part: the loops gather
     logprobs = dense(teacher_logprobs.reshape(n, shape.k))
     linear_bias = dense(linear_bias)
     wide = compute_dtype(input.dtype)
@@ -198,6 +205,7 @@ def linear_distillation(
     accumulate_in_input_dtype: bool = False,
     tuning: Tuning | None = None,
     vocab_parallel=None,
+    sequence_parallel: bool = False,
 ):
     """Distillation from a dense teacher, both heads fused: no N x V buffer of either.
 
@@ -219,6 +227,10 @@ def linear_distillation(
             every rank.
             The ranks exchange a few statistics per row, never logits; the loss is global,
             grad_weight this rank's slice, grad_input the full gradient (all-reduced).
+            DTensor heads sharded on their vocabulary, with DTensor inputs, are split the
+            same way (the teacher's placed as the student's).
+        sequence_parallel: with vocab_parallel, input and teacher_input hold this rank's
+            part of the rows, as for linear_cross_entropy.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -230,7 +242,7 @@ def linear_distillation(
                   temperature_squared=temperature_squared, reduction=reduction, num_items_in_batch=num_items_in_batch,
                   ignore_index=ignore_index, weight_layout=weight_layout, strategy=strategy,
                   accumulate_in_input_dtype=accumulate_in_input_dtype)
-    if torch.compiler.is_compiling() and vocab_parallel is None:
+    if runs_compiled(vocab_parallel, sequence_parallel, input, linear_weight, teacher_input, teacher_weight):
         input, linear_weight, teacher_input, teacher_weight = custom_ops.compiled_call(
             input, dict(linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight),
             dict(target=target, row_mask=row_mask), reduction, num_items_in_batch, linear_weight, teacher_input,
@@ -238,21 +250,25 @@ def linear_distillation(
         return distill_ops.linear_distillation(input, linear_weight, teacher_input, teacher_weight, **kwargs,
                                               tuning=check_tuning(tuning))
     return _dense_eager(input, linear_weight, teacher_input, teacher_weight, **kwargs, tuning=tuning,
-                        vocab_parallel=vocab_parallel)
+                        vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
 
 
 @torch.compiler.disable
 def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target, row_mask, divergence, beta, temperature,
                  temperature_squared, reduction, num_items_in_batch, ignore_index, weight_layout, strategy,
-                 accumulate_in_input_dtype, tuning, vocab_parallel):
+                 accumulate_in_input_dtype, tuning, vocab_parallel, sequence_parallel):
+    ((input, linear_weight, _), (teacher_input, teacher_weight, _)), vocab_parallel, rows_dim = split_operands(
+        vocab_parallel, sequence_parallel, weight_layout, (input, linear_weight, None),
+        (teacher_input, teacher_weight, None))
     check_tensors(input, dict(linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight),
                   dict(target=target, row_mask=row_mask))
     input, linear_weight, teacher_input, teacher_weight = autocast_inputs(input, linear_weight, teacher_input, teacher_weight)
     tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
-    checked = lambda: _dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence,
-                                     beta, temperature, temperature_squared, reduction, ignore_index, weight_layout,
-                                     strategy, vocab_parallel is not None)
+    checked = lambda: _dense_checked(whole_input(input, rows_dim, vocab_parallel), linear_weight,
+                                     whole_input(teacher_input, rows_dim, vocab_parallel), teacher_weight, target,
+                                     row_mask, divergence, beta, temperature, temperature_squared, reduction,
+                                     ignore_index, weight_layout, strategy, vocab_parallel is not None)
     split = None
     if vocab_parallel is not None:
         # what decides the ranks' blocks and collectives, the same on every rank or an error on all
@@ -261,15 +277,16 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
             weight_layout, accumulate_in_input_dtype, tuning, target is None, row_mask is None, torch.is_grad_enabled(),
             input.requires_grad, linear_weight.requires_grad)
         split = head_slice(vocab_parallel, lambda: checked()[1], input.device, fingerprint,
-                           lambda: _valid(*checked(), target, row_mask, input.device).sum())
+                           lambda: _valid(*checked(), target, row_mask, input.device).sum(), rows_dim)
     o, shape = checked()
     n, dev = shape.n_rows, input.device
     vocab = min(shape.vocab, shape.teacher_vocab)  # with a split: this rank's slice of both heads'
     plan_vocab = vocab if split is None else split.largest
     y = None if target is None else dense(target.reshape(n))
     valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
-    x_ND = input.reshape(n, shape.hidden)
-    xt_ND = teacher_input.reshape(n, shape.teacher_hidden).detach()
+    x_ND, xt_ND = input, teacher_input.detach()  # with sequence parallel the parts: the loops gather
+    if rows_dim is None:
+        x_ND, xt_ND = x_ND.reshape(n, shape.hidden), xt_ND.reshape(n, shape.teacher_hidden)
     chosen = choose_strategy(strategy, x_ND, n, shape.hidden, plan_vocab, tuning)
     strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, dev)
     rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)

@@ -55,12 +55,12 @@ def valid_rows_only(t: Tuning, strategy: str, valid_N: torch.Tensor, hidden: int
     return rows_to_compute(valid_N)
 
 
-def head_slice(group, check_local, device, fingerprint: int = 0, kept=None):
+def head_slice(group, check_local, device, fingerprint: int = 0, kept=None, rows_dim: int | None = None):
     """This rank's `torch_impl.vocab_parallel.VocabSplit` of a head split over `group`, after
     every rank's own checks (`check_local`: the ProblemShape of this rank's arguments, or
     their error), which every rank learns of with what every rank's call must share
     (`torch_impl.vocab_parallel.vocab_slice`; kept may be a function of no arguments,
-    called after check_local passes)."""
+    called after check_local passes). rows_dim: as `split_operands` returns it."""
     if parallel is None:
         raise RuntimeError("vocab_parallel needs torch.distributed and Triton's package, which this install lacks")
     if not isinstance(group, torch.distributed.ProcessGroup):
@@ -71,7 +71,41 @@ def head_slice(group, check_local, device, fingerprint: int = 0, kept=None):
     except (ValueError, TypeError) as e:
         local, problem = None, e
     sizes = (0, 0, 0) if local is None else (local.vocab, local.hidden, local.n_rows)
-    return parallel.vocab_slice(group, *sizes, device, problem, fingerprint, kept)
+    fingerprint = parallel.call_fingerprint(fingerprint, rows_dim)
+    return parallel.vocab_slice(group, *sizes, device, problem, fingerprint, kept).with_rows_dim(rows_dim)
+
+
+def runs_compiled(vocab_parallel, sequence_parallel: bool, *tensors) -> bool:
+    """Whether a call runs as its custom op: inside torch.compile, with no head split over
+    ranks (a split runs as one eager step there, a graph break)."""
+    return torch.compiler.is_compiling() and vocab_parallel is None and not sequence_parallel \
+        and (parallel is None or not parallel.any_dtensor(*tensors))
+
+
+def split_operands(vocab_parallel, sequence_parallel: bool, weight_layout: str, *heads):
+    """(heads, process group or None, rows_dim) of a call whose head may be split over ranks.
+
+    heads: (input, linear_weight, linear_bias) triples: the student's, and a teacher's. They
+    come back as given, or for DTensor arguments as their local tensors
+    (`torch_impl.vocab_parallel.local_operands`): a head sharded on its vocabulary gives its
+    mesh's group, an input sharded on its rows the dimension that the ranks split (rows_dim);
+    every head must then be placed alike. With sequence_parallel, rows_dim is 0: the input
+    holds this rank's part of the rows along its first dimension."""
+    rows_dim = 0 if sequence_parallel else None
+    if vocab_parallel is None and parallel is not None and parallel.any_dtensor(*(t for h in heads for t in h)):
+        local = [parallel.local_operands(w, x, b, weight_layout) or (x, w, b, None, None) for x, w, b in heads]
+        if any(part[3:] != local[0][3:] for part in local):
+            raise ValueError("the teacher's input and head must be DTensors placed as the student's input and head")
+        heads, (vocab_parallel, rows_dim) = [part[:3] for part in local], local[0][3:]
+    if sequence_parallel and vocab_parallel is None:
+        raise ValueError("sequence_parallel needs vocab_parallel (the process group that splits the rows and the head)")
+    return heads, vocab_parallel, rows_dim
+
+
+def whole_input(input: torch.Tensor, rows_dim: int | None, group) -> torch.Tensor:
+    """input, or with sequence parallel a stand-in of the ranks' parts gathered (their shape,
+    input's dtype and device, no storage): what the call's checks see."""
+    return input if rows_dim is None else input.new_empty(()).expand(_whole_shape(input, rows_dim, group))
 
 
 def _whole_shape(input: torch.Tensor, rows_dim: int | None, group) -> tuple[int, ...]:
@@ -207,8 +241,7 @@ def linear_cross_entropy(
                   label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
                   filter_eps=filter_eps, tuning=tuning, num_items_in_batch=num_items_in_batch)
-    if torch.compiler.is_compiling() and vocab_parallel is None and not sequence_parallel \
-            and (parallel is None or not parallel.any_dtensor(input, linear_weight, linear_bias)):
+    if runs_compiled(vocab_parallel, sequence_parallel, input, linear_weight, linear_bias):
         return _compiled(input, linear_weight, target, **kwargs)
     return _eager(input, linear_weight, target, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel,
                   **kwargs)
@@ -238,13 +271,8 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
            return_lse, weight_layout, strategy, accumulate_in_input_dtype, filter_eps, tuning, vocab_parallel,
            sequence_parallel, num_items_in_batch):
     """The eager call (and a split head's step in compiled code)."""
-    rows_dim = 0 if sequence_parallel else None
-    if vocab_parallel is None and parallel is not None:
-        local = parallel.local_operands(linear_weight, input, linear_bias, weight_layout)
-        if local is not None:
-            input, linear_weight, linear_bias, vocab_parallel, rows_dim = local
-    if sequence_parallel and vocab_parallel is None:
-        raise ValueError("sequence_parallel needs vocab_parallel (the process group that splits the rows and the head)")
+    ((input, linear_weight, linear_bias),), vocab_parallel, rows_dim = split_operands(
+        vocab_parallel, sequence_parallel, weight_layout, (input, linear_weight, linear_bias))
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight))
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     check_reduction(reduction, num_items_in_batch)
@@ -272,10 +300,9 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         # what decides the ranks' blocks and collectives, the same on every rank or an error on all
         grads = torch.is_grad_enabled(), *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
         fingerprint = parallel.call_fingerprint(strategy, dtype_name(input.dtype), opts, return_lse, weight_layout,
-                                                accumulate_in_input_dtype, tuning, rows_dim, grads, weight is None)
+                                                accumulate_in_input_dtype, tuning, grads, weight is None)
         kept = target.ne(opts.ignore_index).sum() if not target.is_floating_point() else None
-        split = head_slice(vocab_parallel, lambda: checked(None, None), input.device, fingerprint,
-                           kept).with_rows_dim(rows_dim)
+        split = head_slice(vocab_parallel, lambda: checked(None, None), input.device, fingerprint, kept, rows_dim)
     shape = checked(weight, None if split is None else split.vocab)
     # with sequence parallel, the rank's part of the rows: the split's loops gather them
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input

@@ -28,7 +28,8 @@ from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.autograd import first_order_only
 from torch_impl.blocks import BlockPlan, HeadBlocks, final_grad
 from torch_impl.distill_blocked import dx_rows, store_dx_rows
-from torch_impl.functional import check_target_range, choose_strategy, head_slice
+from torch_impl.functional import (check_target_range, choose_strategy, head_slice, runs_compiled, split_operands,
+                                  whole_input)
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import TorchOps, plan_steps
 from torch_impl.vocab_parallel import VocabSplit, call_fingerprint, local_targets
@@ -234,6 +235,7 @@ def linear_log_probs(
     accumulate_in_input_dtype: bool = False,
     tuning: Tuning | None = None,
     vocab_parallel=None,
+    sequence_parallel: bool = False,
 ):
     """Per-token log p(target) at a temperature, and on request the entropy and argmax.
 
@@ -259,7 +261,10 @@ def linear_log_probs(
             linear_cross_entropy (this rank's linear_weight and linear_bias hold its slice of
             the classes; input and the global targets are the same on every rank). The ranks
             exchange a few statistics per row, never logits; every output is global,
-            grad_weight this rank's slice, grad_input the full gradient (all-reduced).
+            grad_weight this rank's slice, grad_input the full gradient (all-reduced). A
+            DTensor head sharded on its vocabulary, with a DTensor input, is split the same way.
+        sequence_parallel: with vocab_parallel, input holds this rank's part of the rows, as
+            for linear_cross_entropy (target the whole rows; every output the whole rows').
 
     Returns:
         log-probabilities [...] in fp32 (fp64 for fp64 input); with return_entropy and/or
@@ -273,35 +278,39 @@ def linear_log_probs(
     """
     kwargs = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype)
-    if torch.compiler.is_compiling() and vocab_parallel is None:
+    if runs_compiled(vocab_parallel, sequence_parallel, input, linear_weight, linear_bias):
         input, linear_weight, linear_bias = custom_ops.compiled_call(
             input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias), "none", None,
             linear_weight, linear_bias)
         outs = log_probs_ops.linear_log_probs(input, linear_weight, target, **{**kwargs, "linear_bias": linear_bias},
                                            tuning=check_tuning(tuning))
     else:
-        outs = _eager(input, linear_weight, target, **kwargs, tuning=tuning, vocab_parallel=vocab_parallel)
+        outs = _eager(input, linear_weight, target, **kwargs, tuning=tuning, vocab_parallel=vocab_parallel,
+                      sequence_parallel=sequence_parallel)
     asked = [outs[0]] + [t for t, want in zip(outs[1:], (return_entropy, return_argmax)) if want]
     return asked[0] if len(asked) == 1 else tuple(asked)
 
 
 @torch.compiler.disable
 def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
-           accumulate_in_input_dtype, tuning, vocab_parallel):
+           accumulate_in_input_dtype, tuning, vocab_parallel, sequence_parallel):
     """(log-probabilities, entropy, argmax), each shaped as target, of an eager call."""
+    ((input, linear_weight, linear_bias),), vocab_parallel, rows_dim = split_operands(
+        vocab_parallel, sequence_parallel, weight_layout, (input, linear_weight, linear_bias))
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias))
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
-    checked = lambda: log_probs_ops.log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap,
-                                                      ignore_index, weight_layout, strategy)
+    checked = lambda: log_probs_ops.log_probs_checked(whole_input(input, rows_dim, vocab_parallel), linear_weight, target,
+                                                      linear_bias, temperature, softcap, ignore_index, weight_layout,
+                                                      strategy)
     split = None if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked()[1], input.device, call_fingerprint(
         temperature, softcap, ignore_index, weight_layout, strategy, accumulate_in_input_dtype, tuning, input.dtype,
         linear_bias is None, torch.is_grad_enabled(), input.requires_grad, linear_weight.requires_grad,
-        linear_bias is not None and linear_bias.requires_grad))
+        linear_bias is not None and linear_bias.requires_grad), rows_dim=rows_dim)
     o, shape = checked()
     y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
     check_target_range(y_N, shape.vocab if split is None else split.vocab, o.ignore_index)
-    x_ND = input.reshape(shape.n_rows, shape.hidden)
+    x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input  # a part: the loops gather
     plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning, speed_pays=False)
     plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, plan_vocab, x_ND.dtype,

@@ -24,7 +24,8 @@ from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.autograd import first_order_only, scale_formed
 from torch_impl.blocks import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
-from torch_impl.functional import check_target_range, choose_strategy, head_slice, valid_rows_only
+from torch_impl.functional import (check_target_range, choose_strategy, head_slice, runs_compiled, split_operands,
+                                  valid_rows_only, whole_input)
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import plan_steps
 from torch_impl.vocab_parallel import call_fingerprint
@@ -127,6 +128,7 @@ def linear_policy_loss(
     accumulate_in_input_dtype: bool = False,
     tuning: Tuning | None = None,
     vocab_parallel=None,
+    sequence_parallel: bool = False,
 ) -> torch.Tensor:
     """The clipped policy-gradient loss (PPO, GRPO) of the policy softmax(u), u = softcap(input
     @ W^T + b) / temperature, over the tokens `target`, without the N x V logits.
@@ -156,7 +158,8 @@ def linear_policy_loss(
         epsilon_low, epsilon_high, beta, entropy_coef: as in the formula (each >= 0,
             epsilon_low < 1).
         linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
-        accumulate_in_input_dtype, tuning, vocab_parallel: as for linear_log_probs; "speed"
+        accumulate_in_input_dtype, tuning, vocab_parallel, sequence_parallel: as for
+        linear_log_probs (the per-token tensors hold the whole rows); "speed"
         forms the gradients in the forward pass (6 N D V flops, as a loss on materialised
         logits; with vocab_parallel 6 N D V / P on each of the P ranks).
 
@@ -175,9 +178,10 @@ def linear_policy_loss(
                   linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
                   tuning=tuning)
-    if torch.compiler.is_compiling() and vocab_parallel is None:
+    if runs_compiled(vocab_parallel, sequence_parallel, input, linear_weight, linear_bias):
         return _compiled(input, linear_weight, target, advantages, **kwargs)
-    return _eager(input, linear_weight, target, advantages, **kwargs, vocab_parallel=vocab_parallel)
+    return _eager(input, linear_weight, target, advantages, **kwargs, vocab_parallel=vocab_parallel,
+                  sequence_parallel=sequence_parallel)
 
 
 def _tensor_arguments(linear_bias, given: dict) -> dict:
@@ -224,8 +228,10 @@ def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_lo
 @torch.compiler.disable
 def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, epsilon_low,
            epsilon_high, beta, entropy_coef, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
-           accumulate_in_input_dtype, tuning, vocab_parallel):
+           accumulate_in_input_dtype, tuning, vocab_parallel, sequence_parallel):
     """The eager call (and a split head's step in compiled code)."""
+    ((input, linear_weight, linear_bias),), vocab_parallel, rows_dim = split_operands(
+        vocab_parallel, sequence_parallel, weight_layout, (input, linear_weight, linear_bias))
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                  token_weight=token_weight)
     check_tensors(input, dict(linear_weight=linear_weight, target=target), _tensor_arguments(linear_bias, given))
@@ -242,9 +248,10 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
         o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
         o.check_references(ref_log_probs)
         shape = check_inputs(
-            input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
-            weight_dtype=dtype_of(linear_weight), target_shape=tuple(target.shape), target_dtype=dtype_of(target),
-            bias_shape=optional_shape(linear_bias), bias_dtype=dtype_of(linear_bias), weight_layout=weight_layout)
+            input_shape=tuple(whole_input(input, rows_dim, vocab_parallel).shape), input_dtype=dtype_of(input),
+            weight_shape=tuple(linear_weight.shape), weight_dtype=dtype_of(linear_weight),
+            target_shape=tuple(target.shape), target_dtype=dtype_of(target), bias_shape=optional_shape(linear_bias),
+            bias_dtype=dtype_of(linear_bias), weight_layout=weight_layout)
         tokens.update({k: _per_token(k, given[k], target.shape, input, wide) for k in TOKEN_ARGUMENTS})
         return o, head, shape
 
@@ -257,7 +264,7 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
                                        *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)),
                                        *(v is None for v in given.values()))
         split = head_slice(vocab_parallel, lambda: checked()[2], input.device, fingerprint,
-                           lambda: target.ne(checked()[1].ignore_index).sum())
+                           lambda: target.ne(checked()[1].ignore_index).sum(), rows_dim)
     o, head, shape = checked()
     vocab = shape.vocab if split is None else split.vocab
     plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
@@ -266,7 +273,7 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
     valid = y_N != head.ignore_index
     if tokens["token_weight"] is None:
         tokens["token_weight"] = mean_weight(torch, valid, torch.zeros(valid.shape, dtype=wide, device=valid.device))
-    x_ND = input.reshape(shape.n_rows, shape.hidden)
+    x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input  # a part: the loops gather
     chosen = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning)
     strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x_ND.device)
     rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
