@@ -42,6 +42,7 @@ from jax_impl.rows import (TargetRows, compute_dtype, kept_first, reduce_loss, r
                            unfolded_count)
 from jax_impl.sharding import vary_like
 from jax_impl.steps import steps_of
+from jax_impl.vocab_parallel import global_lse, local_columns, summed_grad_input
 
 @dataclasses.dataclass(frozen=True)
 class BlockedConfig:
@@ -263,64 +264,98 @@ def _fused_row_stats(prob: Problem, x_ND):
     return tuple(jnp.zeros_like(a).at[order].set(a, unique_indices=True) for a in kept)
 
 
-def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
+def _call(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str | None):
+    """(problem, the targets as its steps read them, the call's TargetRows, cw_sum, V). On a
+    head split over `axis` (the vocabulary axis of a shard_map, or of `jax_impl.partitioned`)
+    the problem is the device's classes: its targets are its columns (-1 where another device
+    holds the class) and its class weights its slice, while the rows' facts, cw_sum and V are
+    the whole head's."""
+    if axis is None:
+        prob = Problem(x_ND, W, b_V, cw_V, y_N, cfg)
+        return prob, prob.rows.safe_y, prob.rows, prob.cw_sum, prob.vocab
+    local_vocab = W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
+    first = jax.lax.axis_index(axis) * local_vocab
+    y_cols = local_columns(y_N, local_vocab, axis).astype(jnp.int32)
+    cw_local = None if cw_V is None else jax.lax.dynamic_slice_in_dim(cw_V, first, local_vocab)
+    prob = Problem(x_ND, W, b_V, cw_local, y_cols, cfg)
+    vocab = local_vocab * jax.lax.psum(1, axis)
+    cw = None if cw_V is None else cw_V.astype(prob.wide)
+    rows = TargetRows.build(y_N, cw, vocab, cfg.options.ignore_index, prob.wide)
+    return prob, y_cols, rows, vocab if cw is None else cw.sum(), vocab
+
+
+def _combined(stats, axis: str | None):
+    """A row block's (lse, s_y, ws) over the whole head: the devices' combined over `axis`
+    (a pmax and psums of a few floats per row, never logits)."""
+    if axis is None:
+        return stats
+    lse, s_y, ws = stats
+    return (global_lse(lse, axis), *jax.lax.psum((s_y, ws), axis))
+
+
+def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool, axis: str | None = None):
     """(loss, lse [N], grads) where grads = (dx, dW, db) for an upstream gradient of 1 if
-    with_grads (whole-row blocks), else None."""
-    prob = Problem(x_ND, W, b_V, cw_V, y_N, cfg)
-    rows, n = prob.rows, x_ND.shape[0]
-    opts = cfg.options
+    with_grads (whole-row blocks), else None. axis: a head split over the vocabulary (W and
+    b this device's equal slice of the classes, cw_V and y_N whole; `split_config`): each
+    row block's statistics are combined over it before its dz, so the gradients still come
+    from one product per block (6 N D V / P flops per device); grad_input is summed over it."""
+    prob, _, rows, cw_sum, vocab = _call(x_ND, W, b_V, cw_V, y_N, cfg, axis)
+    n, opts = x_ND.shape[0], cfg.options
     if cfg.fused_stats and not with_grads:
         lse, s_y, ws = _fused_row_stats(prob, x_ND)
-        loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, prob.cw_sum, prob.vocab), rows, opts.reduction)
+        loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
         return loss, lse, None
     # The gradient of each row for an upstream gradient of 1: "mean" is "sum" scaled by
     # 1 / (the valid rows' summed class weight), a global the row blocks can't see.
     scale = 1.0 / rows.cw_y.sum() if opts.reduction == "mean" else jnp.asarray(1.0, prob.wide)
     per_row_opts = dataclasses.replace(opts, reduction="sum")
+    dx_dtype = None if axis is None else prob.wide  # a split's shares are summed before rounding
 
     def row_step(carry, xs):
         x_R, y_R, valid_R, bad_R, in_range_R, cw_y_R = xs
+        y_R = local_columns(y_R, prob.vocab, axis)  # in the step: the rows' outputs stay the same on every device
         if not with_grads:
             return carry, _stats(prob, x_R, y_R)
         dW, db = carry  # whole rows: one block, its logits rewritten in place as dz
         z = prob.logits(x_R, W)
         m, l, s_y, ws = _stats_of_block(prob, z, 0, y_R, _initial_stats(prob, x_R.shape[0]))
-        lse = m + jnp.log(l)
+        lse, s_y, ws = _combined((m + jnp.log(l), s_y, ws), axis)
         block_rows = TargetRows(y_R, valid_R, in_range_R, bad_R, cw_y_R)
-        coefs = row_coefficients(scale, None, lse, block_rows, prob.cw_sum, per_row_opts, prob.vocab)
+        coefs = row_coefficients(scale, None, lse, block_rows, cw_sum, per_row_opts, vocab)
         dz = _grad_of_block(prob, z, 0, y_R, lse, *coefs)
-        dx_R = prob.grad_input_share(dz, W, x_R.dtype)
+        dx_R = prob.grad_input_share(dz, W, dx_dtype or x_R.dtype)
         dW = dW + prob.grad_weight_share(dz, x_R, dW.dtype)
         if db is not None:
             db = db + dz.astype(db.dtype).sum(0)
         return (dW, db), (lse, s_y, ws, dx_R)
 
-    per_row = (x_ND, rows.safe_y, rows.valid, rows.bad, rows.in_range, rows.cw_y)
+    per_row = (x_ND, rows.safe_y if axis is None else y_N, rows.valid, rows.bad, rows.in_range, rows.cw_y)
     carry = None
     if with_grads:
         acc = W.dtype if cfg.accumulate_in_input_dtype else prob.wide
         carry = (jnp.zeros(W.shape, acc), _bias_grad_buffer(prob, b_V))
     carry, outs = row_loop(row_step, carry, per_row, n, cfg.block_rows, prob.keep, cfg.tail_split)
-    lse, s_y, ws = outs[:3]
-    loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, prob.cw_sum, prob.vocab), rows, opts.reduction)
+    lse, s_y, ws = outs[:3] if with_grads else _combined(outs[:3], axis)
+    loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
     if not with_grads:
         return loss, lse, None
     dW, db = carry
-    return loss, lse, (outs[3], dW.astype(W.dtype), None if b_V is None else db.astype(b_V.dtype))
+    return loss, lse, (summed_grad_input(outs[3], x_ND, axis), dW.astype(W.dtype),
+                       None if b_V is None else db.astype(b_V.dtype))
 
 
-def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig):
-    """(dx, dW, db) recomputing the logits block by block."""
-    prob = Problem(x_ND, W, b_V, cw_V, y_N, cfg)
-    coefs = row_coefficients(g_loss, g_lse, lse_N, prob.rows, prob.cw_sum, cfg.options, prob.vocab)
-    return gradients(prob, x_ND, prob.rows.safe_y, lse_N, coefs, prob.keep)
+def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig, axis: str | None = None):
+    """(dx, dW, db) recomputing the logits block by block; axis as for `forward`."""
+    prob, y_cols, rows, cw_sum, vocab = _call(x_ND, W, b_V, cw_V, y_N, cfg, axis)
+    coefs = row_coefficients(g_loss, g_lse, lse_N, rows, cw_sum, cfg.options, vocab)
+    dx, dW, db = gradients(prob, x_ND, y_cols, lse_N, coefs, prob.keep, None if axis is None else prob.wide)
+    return summed_grad_input(dx, x_ND, axis), dW, db
 
 
-def row_statistics(prob: Problem, x_ND, y_N):
-    """(lse, s_y, ws) [N] over the head's classes, in row blocks of rows x columns; y [N]
-    int32 column indices (any other value, such as -1, picks no column: s_y 0)."""
-    step = lambda carry, xs: (carry, _stats(prob, *xs))
-    return row_loop(step, None, (x_ND, y_N), x_ND.shape[0], prob.cfg.block_rows)[1]
+def split_config(cfg: BlockedConfig) -> BlockedConfig:
+    """A plan's configuration for a head split over the vocabulary: every row computed,
+    statistics from the blocks (the steps read the device's columns)."""
+    return dataclasses.replace(cfg, skip_ignored=False, fused_stats=False)
 
 
 def gradients(prob: Problem, x_ND, y_N, lse_N, coefs, keep=None, dx_dtype=None):

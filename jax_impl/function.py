@@ -7,8 +7,9 @@ the upstream gradient; every other plan saves its inputs and lse, and the backwa
 recomputes the logits block by block. On "chunked"'s jax.numpy steps both rules are plain
 XLA, so the derivative can be differentiated again. The kernel plans' passes run through
 `jax_impl.partitioned`, which splits them over the devices of sharded operands under jit:
-a device plans its blocks for its rows and classes, a split head runs as
-`jax_impl.vocab_parallel`, and with split rows "mean" is "sum" over the global denominator.
+a device plans its blocks for its rows and classes, a split head combines each row block's
+statistics over its axis (`blocked.forward`), and with split rows "mean" is "sum" over the
+global denominator. Inside shard_map, the `vocab_parallel` axis is the same split.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_impl import blocked, partitioned, vocab_parallel
+from jax_impl import blocked, partitioned
 from jax_impl.blocked import BlockedConfig
 from jax_impl.partitioned import Axes, Layout
 from jax_impl.rows import TargetRows, compute_dtype
@@ -48,7 +49,7 @@ def _local(cfg: BlockedConfig, axes: Axes, x_ND, W, y_N, cw_V):
         scale = 1.0 / jax.lax.psum(rows.cw_y.sum(), axes.rows)
     local = blocked.plan(cfg.tuning, opts, cfg.weight_layout, cfg.strategy, x_ND.shape[0], x_ND.shape[1], vocab,
                          x_ND.dtype, cfg.accumulate_in_input_dtype, cfg.return_lse, "cpu" if cfg.interpret else "gpu")
-    return (vocab_parallel.config(local) if axes.vocab else local), scale
+    return (blocked.split_config(local) if axes.vocab else local), scale
 
 
 def _scaled(g, scale):
@@ -60,13 +61,8 @@ def _forward_pass(static, axes: Axes, x_ND, W, b_V, cw_V, y_N):
     gradient of 1) where static's with_grads is set, else None."""
     cfg, with_grads = static
     local, scale = _local(cfg, axes, x_ND, W, y_N, cw_V)
-    if axes.vocab:
-        loss, lse = vocab_parallel.forward(x_ND, W, b_V, cw_V, y_N, local, axes.vocab)
-        grads = vocab_parallel.backward(jnp.ones((), jnp.float32), jnp.zeros_like(lse), x_ND, W, b_V, cw_V, y_N, lse,
-                                        local, axes.vocab) if with_grads else (None,) * 3
-    else:
-        loss, lse, grads = blocked.forward(x_ND, W, b_V, cw_V, y_N, local, with_grads)
-        grads = grads or (None,) * 3
+    loss, lse, grads = blocked.forward(x_ND, W, b_V, cw_V, y_N, local, with_grads, axes.vocab)
+    grads = grads or (None,) * 3
     return (_scaled(loss, scale), lse) + tuple(_scaled(g, scale) for g in grads)
 
 
@@ -74,51 +70,53 @@ def _backward_pass(cfg: BlockedConfig, axes: Axes, g_loss, g_lse, x_ND, W, b_V, 
     """(dx, dW, db) of a device's rows and classes, recomputing its logits."""
     local, scale = _local(cfg, axes, x_ND, W, y_N, cw_V)
     g_loss = g_loss if scale is None else g_loss * scale
-    if axes.vocab:
-        return vocab_parallel.backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, local, axes.vocab)
-    return blocked.backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, local)
+    return blocked.backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, local, axes.vocab)
 
 
-def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool):
+def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis, with_grads: bool):
     loss = "" if cfg.options.reduction != "none" else "n"
     grads = ("n d", "W", None if b_V is None else "v") if with_grads else (None,) * 3
-    return partitioned.run(_forward_pass, (cfg, with_grads), _layout(cfg, (loss, "n") + grads), x_ND, W, b_V, cw_V, y_N)
+    return partitioned.run(_forward_pass, (cfg, with_grads), _layout(cfg, (loss, "n") + grads), x_ND, W, b_V, cw_V, y_N,
+                           axis=axis)
 
 
-def _statistics(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
+def _statistics(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis):
     """(loss, lse): the kernels' through `partitioned`; "chunked"'s directly (plain XLA, which
     the partitioner splits itself, and which stays differentiable)."""
     if cfg.strategy == "chunked":
-        return blocked.forward(x_ND, W, b_V, cw_V, y_N, cfg, with_grads=False)[:2]
-    return _forward(x_ND, W, b_V, cw_V, y_N, cfg, False)[:2]
+        return blocked.forward(x_ND, W, b_V, cw_V, y_N, cfg, False, axis)[:2]
+    return _forward(x_ND, W, b_V, cw_V, y_N, cfg, axis, False)[:2]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def blocked_linear_cross_entropy(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
-    """(loss, lse [N]) over flattened rows x [N, D], y [N] (int32); fp32 (fp64 for fp64 input)."""
-    return _statistics(x_ND, W, b_V, cw_V, y_N, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def blocked_linear_cross_entropy(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str | None = None):
+    """(loss, lse [N]) over flattened rows x [N, D], y [N] (int32); fp32 (fp64 for fp64 input).
+    axis: inside shard_map, the axis splitting the head over the vocabulary (W and b the
+    device's slice; cfg then `blocked.split_config`'s)."""
+    return _statistics(x_ND, W, b_V, cw_V, y_N, cfg, axis)
 
 
-def _fwd(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
+def _fwd(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis):
     if cfg.grads_in_forward:  # kernel plans only
-        loss, lse, *grads = _forward(x_ND, W, b_V, cw_V, y_N, cfg, True)
+        loss, lse, *grads = _forward(x_ND, W, b_V, cw_V, y_N, cfg, axis, True)
         return (loss, lse), tuple(grads)
-    loss, lse = _statistics(x_ND, W, b_V, cw_V, y_N, cfg)
+    loss, lse = _statistics(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     return (loss, lse), (x_ND, W, b_V, cw_V, y_N, lse)
 
 
-def _bwd(cfg: BlockedConfig, res, cotangents):
+def _bwd(cfg: BlockedConfig, axis, res, cotangents):
     g_loss, g_lse = cotangents
     if cfg.grads_in_forward:  # lse is not returned to the caller: its cotangent is zero
         scale = lambda g: None if g is None else (g * g_loss.astype(jnp.float32)).astype(g.dtype)  # kernels: no fp64
         return tuple(map(scale, res)) + (None, None)
     x_ND, W, b_V, cw_V, y_N, lse = res
     if cfg.strategy == "chunked":
-        return blocked.backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse, cfg) + (None, None)
+        return blocked.backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse, cfg, axis) + (None, None)
     grads = ("n d", "W", None if b_V is None else "v")
     layout = Layout(("" if cfg.options.reduction != "none" else "n", "n") + _layout(cfg, ()).operands + ("n",),
                     _layout(cfg, grads).outputs)
-    return partitioned.run(_backward_pass, cfg, layout, g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse) + (None, None)
+    return partitioned.run(_backward_pass, cfg, layout, g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse,
+                           axis=axis) + (None, None)
 
 
 blocked_linear_cross_entropy.defvjp(_fwd, _bwd)

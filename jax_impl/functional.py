@@ -17,7 +17,6 @@ from jax_impl import blocked, kernels
 from jax_impl.function import blocked_linear_cross_entropy
 from jax_impl.rows import narrow_targets
 from jax_impl.sharding import on_mesh, row_spec
-from jax_impl.vocab_parallel import config as vocab_parallel_config, vocab_parallel_cross_entropy
 
 
 def dtype_name(a) -> str | None:
@@ -202,9 +201,8 @@ def linear_cross_entropy(
     cfg = blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
                        accumulate_in_input_dtype, return_lse, platform)
     if vocab_parallel is not None:
-        cfg = vocab_parallel_config(cfg)
-        loss, lse = vocab_parallel_cross_entropy(input.reshape(n, shape.hidden), linear_weight, linear_bias, weight,
-                                                 y.reshape(n), cfg, vocab_parallel)
+        loss, lse = blocked_linear_cross_entropy(input.reshape(n, shape.hidden), linear_weight, linear_bias, weight,
+                                                 y.reshape(n), blocked.split_config(cfg), vocab_parallel)
         return _result(loss.reshape(lead) if opts.reduction == "none" else loss, lse.reshape(lead), return_lse,
                        num_items_in_batch)
 
