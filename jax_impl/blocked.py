@@ -250,17 +250,17 @@ def _stats(prob: Problem, x_RD, y_R):
     return m + jnp.log(l), s_y, ws
 
 
-def _fused_row_stats(prob: Problem, x_ND):
+def _fused_row_stats(prob: Problem, x_ND, y_N):
     """(lse, s_y, ws) [N] from `fused_stats.row_stats`: of the rows to compute (`prob.keep`,
-    gathered first), the others 0."""
+    gathered first), the others 0; y [N] int32 column indices (-1: none, s_y 0)."""
     opts = prob.cfg.options
     stats = functools.partial(row_stats, W=prob.W, b_V=prob.b, cw_V=prob.cw, weight_layout=prob.cfg.weight_layout,
                               softcap=opts.softcap, need_ws=opts.label_smoothing > 0, interpret=prob.cfg.interpret,
                               programs=prob.cfg.tuning.fused_stats_programs)
     if prob.keep is None:
-        return stats(x_ND, y_N=prob.rows.safe_y, n_rows=x_ND.shape[0])
+        return stats(x_ND, y_N=y_N, n_rows=x_ND.shape[0])
     order = kept_first(prob.keep)
-    kept = stats(x_ND[order], y_N=prob.rows.safe_y[order], n_rows=prob.keep.sum(dtype=jnp.int32))
+    kept = stats(x_ND[order], y_N=y_N[order], n_rows=prob.keep.sum(dtype=jnp.int32))
     return tuple(jnp.zeros_like(a).at[order].set(a, unique_indices=True) for a in kept)
 
 
@@ -299,10 +299,10 @@ def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool, axis:
     b this device's equal slice of the classes, cw_V and y_N whole; `split_config`): each
     row block's statistics are combined over it before its dz, so the gradients still come
     from one product per block (6 N D V / P flops per device); grad_input is summed over it."""
-    prob, _, rows, cw_sum, vocab = _call(x_ND, W, b_V, cw_V, y_N, cfg, axis)
+    prob, y_cols, rows, cw_sum, vocab = _call(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     n, opts = x_ND.shape[0], cfg.options
     if cfg.fused_stats and not with_grads:
-        lse, s_y, ws = _fused_row_stats(prob, x_ND)
+        lse, s_y, ws = _combined(_fused_row_stats(prob, x_ND, y_cols), axis)
         loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
         return loss, lse, None
     # The gradient of each row for an upstream gradient of 1: "mean" is "sum" scaled by
@@ -353,9 +353,9 @@ def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig, 
 
 
 def split_config(cfg: BlockedConfig) -> BlockedConfig:
-    """A plan's configuration for a head split over the vocabulary: every row computed,
-    statistics from the blocks (the steps read the device's columns)."""
-    return dataclasses.replace(cfg, skip_ignored=False, fused_stats=False)
+    """A plan's configuration for a head split over the vocabulary: every row computed (the
+    rows to skip would differ between the devices' steps)."""
+    return dataclasses.replace(cfg, skip_ignored=False)
 
 
 def gradients(prob: Problem, x_ND, y_N, lse_N, coefs, keep=None, dx_dtype=None):
