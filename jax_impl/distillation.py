@@ -18,7 +18,7 @@ from jax_impl.distill_rows import TopKTeacher, valid_rows
 from jax_impl.functional import (as_array, choose_strategy, denominator, dtype_name, maybe_array, platform_of, shape_of,
                                  whole_vocab)
 from jax_impl.rows import compute_dtype, narrow_indices, narrow_targets
-from jax_impl.sharding import on_mesh, row_spec
+from jax_impl.sharding import on_mesh, row_spec, with_rows_axes
 
 
 def _rows_out_specs(input, reduction: str):
@@ -104,7 +104,7 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
 
     args = (input, linear_weight, linear_bias, ids, teacher_logprobs, bad, valid, y_kernel, num_items)
     if vocab_parallel is not None:  # inside shard_map: the device's own operands
-        return rows(*args)
+        return rows(input, *with_rows_axes((linear_weight, linear_bias), input), *args[3:])
     return on_mesh(rows, args, _rows_out_specs(input, reduction))
 
 
@@ -164,5 +164,5 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
 
     args = (input, linear_weight, teacher_input, teacher_weight, valid, denominator(num_items_in_batch, compute_dtype(input.dtype)))
     if vocab_parallel is not None:  # inside shard_map: the device's own operands
-        return rows(*args)
+        return rows(input, with_rows_axes(linear_weight, input), *args[2:])
     return on_mesh(rows, args, _rows_out_specs(input, reduction))

@@ -16,7 +16,7 @@ from interop.tuning import Tuning
 from jax_impl import blocked, kernels
 from jax_impl.function import blocked_linear_cross_entropy
 from jax_impl.rows import narrow_targets
-from jax_impl.sharding import on_mesh, row_spec
+from jax_impl.sharding import on_mesh, row_spec, varying_axes, with_rows_axes
 
 
 def dtype_name(a) -> str | None:
@@ -82,6 +82,11 @@ def whole_vocab(linear_weight, weight_layout: str, axis) -> int | None:
         size = jax.lax.psum(1, axis)
     except NameError as e:
         raise ValueError(f"vocab_parallel={axis!r} names no mesh axis of an enclosing jax.shard_map") from e
+    if axis not in varying_axes(linear_weight):
+        # without the type, JAX's transpose can't sum the gradients over the mesh right
+        raise ValueError(f"vocab_parallel={axis!r}: linear_weight must be the device's slice of the head, varying over "
+                         f"the axis inside jax.shard_map with check_vma=True (the default); got one that does not vary "
+                         f"over it (a replicated head, or check_vma=False)")
     return linear_weight.shape[0 if weight_layout == "VD" else 1] * size
 
 
@@ -201,6 +206,7 @@ def linear_cross_entropy(
     cfg = blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
                        accumulate_in_input_dtype, return_lse, platform)
     if vocab_parallel is not None:
+        linear_weight, linear_bias = with_rows_axes((linear_weight, linear_bias), input)
         loss, lse = blocked_linear_cross_entropy(input.reshape(n, shape.hidden), linear_weight, linear_bias, weight,
                                                  y.reshape(n), blocked.split_config(cfg), vocab_parallel)
         return _result(loss.reshape(lead) if opts.reduction == "none" else loss, lse.reshape(lead), return_lse,

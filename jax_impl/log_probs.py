@@ -30,7 +30,7 @@ from jax_impl import partitioned
 from jax_impl.log_probs_kernels import NO_COLUMN
 from jax_impl.partitioned import Axes, Layout
 from jax_impl.rows import compute_dtype, narrow_targets, row_loop
-from jax_impl.sharding import on_mesh, row_spec
+from jax_impl.sharding import on_mesh, row_spec, with_rows_axes
 from jax_impl.vocab_parallel import local_columns, summed_grad_input
 
 
@@ -291,7 +291,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
         return tuple(a.reshape(shape.lead_shape) for a in outs)
 
     if vocab_parallel is not None:  # inside shard_map: the device's own operands
-        logp, entropy, argmax = rows(input, linear_weight, linear_bias, y)
+        logp, entropy, argmax = rows(input, *with_rows_axes((linear_weight, linear_bias), input), y)
     else:
         logp, entropy, argmax = on_mesh(rows, (input, linear_weight, linear_bias, y), lambda: (row_spec(input),) * 3)
     outs = (logp,) + ((entropy,) if return_entropy else ()) + ((argmax,) if return_argmax else ())

@@ -26,7 +26,7 @@ from jax_impl.distill_blocked import DistillConfig
 from jax_impl.functional import as_array, choose_strategy, platform_of
 from jax_impl.log_probs import checked_call, forward, forward_with_grads, grads, plan
 from jax_impl.rows import compute_dtype, narrow_targets
-from jax_impl.sharding import on_mesh
+from jax_impl.sharding import on_mesh, with_rows_axes
 
 
 def _terms(o: PolicyLossOptions, cfg: DistillConfig, y, logp, entropy, tokens: dict):
@@ -149,5 +149,5 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
         return policy_loss(x.reshape(n, shape.hidden), W, b, y, dict(zip(keys, values)), cfg, o, skip, vocab_parallel)
 
     if vocab_parallel is not None:  # inside shard_map: the device's own operands
-        return loss(input, linear_weight, linear_bias, y, *tokens.values())
+        return loss(input, *with_rows_axes((linear_weight, linear_bias), input), y, *tokens.values())
     return on_mesh(loss, (input, linear_weight, linear_bias, y, *tokens.values()), lambda: P())

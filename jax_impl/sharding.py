@@ -77,6 +77,14 @@ def vary_like(tree, *like):
     return vary(tree, varying_axes(*jax.tree.leaves(like)))
 
 
+def with_rows_axes(head, x):
+    """A head's arrays, split over a shard_map axis, cast to vary also over the axes that split
+    the rows x (data parallel beside the head's split): each device's gradient of the head is
+    a partial sum over its rows, and JAX's transpose of the cast sums it over those axes (a
+    custom_vjp's cotangent is typed as its primal, so the cast comes before the loss's)."""
+    return vary_like(head, x, head)
+
+
 def struct(shape, dtype, axes: frozenset) -> jax.ShapeDtypeStruct:
     """The ShapeDtypeStruct of a Pallas kernel's output varying over `axes`: shard_map's
     check_vma needs it said (pallas_call can't infer it from the operands)."""

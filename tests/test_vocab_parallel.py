@@ -1020,6 +1020,65 @@ def test_jax_vocab_parallel_in_shard_map_matches_reference(tmp_path):
     _check_shard_map_results(tmp_path / "jax.npz")
 
 
+ROWS_AND_HEAD_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import jax_impl
+from tests.frameworks import SMALL
+
+mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+W = jnp.asarray(rng.standard_normal((20, 8)) * 0.5, jnp.float32)
+b = jnp.asarray(rng.standard_normal(20) * 0.1, jnp.float32)
+y = jnp.asarray(rng.integers(0, 20, 16), jnp.int32)
+ids = jnp.asarray(rng.integers(0, 20, (16, 3)), jnp.int32)
+lp = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((16, 3)), jnp.float32))
+LOSSES = {
+    "cross_entropy": lambda x, W, b, y, ids, lp, **k: jax_impl.linear_cross_entropy(x, W, y, linear_bias=b,
+                                                                                   reduction="sum", **k),
+    "topk": lambda x, W, b, y, ids, lp, **k: jax_impl.linear_topk_distillation(x, W, ids, lp, linear_bias=b,
+                                                                               reduction="sum", **k),
+    "dense": lambda x, W, b, y, ids, lp, **k: jax_impl.linear_distillation(x, W, x * 0.5, W, reduction="sum", **k),
+    "log_probs": lambda x, W, b, y, ids, lp, **k: jax_impl.linear_log_probs(x, W, y, linear_bias=b, **k).sum(),
+    "policy": lambda x, W, b, y, ids, lp, **k: jax_impl.linear_policy_loss(x, W, y, 1.0, linear_bias=b,
+                                                                           token_weight=jnp.ones(y.shape), **k),
+}
+for name, loss in LOSSES.items():
+    for strategy in ("speed", "chunked"):
+        local = lambda x, W, b, y, ids, lp: jax.lax.psum(loss(x, W, b, y, ids, lp, strategy=strategy, tuning=SMALL,
+                                                              vocab_parallel="tp"), "dp")
+        f = jax.shard_map(local, mesh=mesh, in_specs=(P("dp", None), P("tp", None), P("tp"), P("dp"), P("dp", None),
+                                                      P("dp", None)), out_specs=P(), check_vma=True)
+        got = jax.grad(f, argnums=(0, 1, 2))(x, W, b, y, ids, lp)
+        want = jax.grad(lambda x, W, b: loss(x, W, b, y, ids, lp, strategy="chunked"), argnums=(0, 1, 2))(x, W, b)
+        if name == "dense":  # no bias
+            got, want = got[:2], want[:2]
+        err = max(float(jnp.abs(g - w).max() / jnp.abs(w).max()) for g, w in zip(got, want))
+        print(name, strategy, err)
+        assert err < 1e-5, (name, strategy, err)
+local = lambda x, W, y: jax_impl.linear_cross_entropy(x, W, y, vocab_parallel="tp")
+try:
+    jax.shard_map(local, mesh=mesh, in_specs=(P("dp", None), P("tp", None), P("dp")), out_specs=P("dp"),
+                  check_vma=False)(x, W, y)
+except ValueError as e:
+    assert "check_vma" in str(e), e
+else:
+    raise AssertionError("check_vma=False was not refused")
+print("done")
+"""
+
+
+def test_jax_split_head_with_rows_split_over_another_axis(tmp_path):
+    """Inside jax.shard_map on a (dp, tp) mesh of 4 CPU devices, the rows split over "dp" and
+    the head over "tp" (`vocab_parallel="tp"`): every loss's gradients (the head's summed over
+    "dp") equal the whole call's; check_vma=False, under which JAX can't type those sums, is
+    refused with a ValueError."""
+    done = _jax_process(["-c", ROWS_AND_HEAD_SCRIPT], "cpu", timeout=900)
+    assert done.returncode == 0 and "done" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 @pytest.mark.parametrize("mode", ["shard_map", "jit"])
 @pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=MULTI_GPU)])
 def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices, mode):
