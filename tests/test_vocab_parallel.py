@@ -335,6 +335,11 @@ def _dtensor_results(world: int, device: str) -> dict:
     loss.backward()
     assert len(splits) == 1 and splits[0] is not None, "the head was not split over the vocabulary"
     assert W.grad.placements == (Shard(0),) and x.grad.placements == (Replicate(),)
+    y = torch.tensor(p.y, device=device)
+    with pytest.raises(TypeError, match="DTensor arguments bring their mesh's group"):
+        torch_impl.linear_log_probs(x, W, y, vocab_parallel=dist.group.WORLD)
+    with pytest.raises(ValueError, match="the input's placement says which rows"):
+        torch_impl.linear_cross_entropy(x, W, y, sequence_parallel=True)
     return {"dtensor|loss": loss.detach().double().cpu().numpy(), "dtensor|grad_x": x.grad.to_local().double().cpu().numpy(),
             "dtensor|grad_W": W.grad.full_tensor().double().cpu().numpy(), "dtensor|grad_b": b.grad.full_tensor().double().cpu().numpy()}
 

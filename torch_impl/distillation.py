@@ -105,7 +105,8 @@ def linear_topk_distillation(
 
     Inside torch.compile the call is the custom op ``logitless::linear_topk_distillation``
     (as linear_cross_entropy's): a teacher id >= V or a bad hard target there gives a NaN
-    row instead of raising; with vocab_parallel it runs as one eager step (a graph break).
+    row instead of raising; a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
+    there (a graph break).
     """
     kwargs = dict(target=target, linear_bias=linear_bias, row_mask=row_mask, temperature=temperature,
                   renormalize_teacher=renormalize_teacher, tail_bucket=tail_bucket,
@@ -236,7 +237,8 @@ def linear_distillation(
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
 
     Inside torch.compile the call is the custom op ``logitless::linear_distillation`` (as
-    linear_cross_entropy's); with vocab_parallel it runs as one eager step (a graph break).
+    linear_cross_entropy's); a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
+    there (a graph break).
     """
     kwargs = dict(target=target, row_mask=row_mask, divergence=divergence, beta=beta, temperature=temperature,
                   temperature_squared=temperature_squared, reduction=reduction, num_items_in_batch=num_items_in_batch,

@@ -92,11 +92,17 @@ def split_operands(vocab_parallel, sequence_parallel: bool, weight_layout: str, 
     every head must then be placed alike. With sequence_parallel, rows_dim is 0: the input
     holds this rank's part of the rows along its first dimension."""
     rows_dim = 0 if sequence_parallel else None
-    if vocab_parallel is None and parallel is not None and parallel.any_dtensor(*(t for h in heads for t in h)):
+    if parallel is not None and parallel.any_dtensor(*(t for h in heads for t in h)):
+        if vocab_parallel is not None:
+            raise TypeError("vocab_parallel takes plain tensors (this rank's slices); DTensor arguments bring their "
+                            "mesh's group: pass them without vocab_parallel")
         local = [parallel.local_operands(w, x, b, weight_layout) or (x, w, b, None, None) for x, w, b in heads]
         if any(part[3:] != local[0][3:] for part in local):
             raise ValueError("the teacher's input and head must be DTensors placed as the student's input and head")
         heads, (vocab_parallel, rows_dim) = [part[:3] for part in local], local[0][3:]
+        if sequence_parallel and rows_dim is None:
+            raise ValueError("sequence_parallel with DTensor arguments: the input's placement says which rows a rank "
+                             "holds (Shard on a dimension of its rows, with a head sharded on its vocabulary)")
     if sequence_parallel and vocab_parallel is None:
         raise ValueError("sequence_parallel needs vocab_parallel (the process group that splits the rows and the head)")
     return heads, vocab_parallel, rows_dim

@@ -274,7 +274,8 @@ def linear_log_probs(
 
     Inside torch.compile the call is the custom op ``logitless::linear_log_probs`` (as
     linear_cross_entropy's): a bad target there gives a NaN log-probability instead of
-    raising; with vocab_parallel it runs as one eager step (a graph break).
+    raising; a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
+    there (a graph break).
     """
     kwargs = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype)

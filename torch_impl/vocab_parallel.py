@@ -25,7 +25,7 @@ forms the gradients in the forward pass it still does (6 N D V / P flops per ran
 block of whole rows combined before its dz. `VocabSplit` is what those loops need of the split.
 
 A DTensor head sharded on its vocabulary dimension over a 1-D mesh (what ColwiseParallel
-makes), with an input replicated on that mesh, runs here too: its local slice and the mesh's
+makes), with an input replicated on that mesh or sharded on its rows, runs here too: its local slice and the mesh's
 process group, the gradients returned as DTensors of the same placements. A DTensor head
 with a plain input (FSDP2's sharded parameter used outside its module's forward, the rows
 split across ranks) is gathered once per call (`local_operands`).
