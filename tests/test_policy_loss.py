@@ -188,7 +188,7 @@ def test_only_the_tokens_not_ignored_are_computed(framework, strategy, case, mon
     ignored = p.y.reshape(-1) == options.get("ignore_index", -100)
     assert ignored.any() and not ignored.all()
     if framework == "torch":
-        from torch_impl import log_probs
+        from torch_impl import log_probs_rule as log_probs
 
         computed = []
         original = log_probs._blocks
@@ -232,7 +232,7 @@ def test_torch_speed_forms_gradients_in_the_forward_pass_and_recomputes_after(mo
     backward), and a second backward through the same graph (retain_graph) recomputes them:
     the same gradients twice."""
     import torch_impl
-    from torch_impl import log_probs
+    from torch_impl import log_probs_rule as log_probs
 
     p, options, tokens = _problem("clipped-kl", "float32")
     x = torch.tensor(p.x, device=default_device(), requires_grad=True)
@@ -304,7 +304,7 @@ def test_torch_forms_no_gradient_where_none_is_asked(monkeypatch):
     """Under torch.no_grad (an evaluation pass) "speed" computes the loss only: no gradient
     is formed in the forward pass."""
     import torch_impl
-    from torch_impl import log_probs
+    from torch_impl import log_probs_rule as log_probs
 
     p, options, tokens = _problem("clipped-kl", "float32")
     calls = []

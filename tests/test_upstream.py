@@ -75,3 +75,26 @@ def test_a_scaled_loss_scales_every_gradient(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_a_scaled_loss_scales_every_gradient_on_cuda(dtype):
     _check("cuda", dtype)
+
+
+def test_no_gradient_is_formed_where_autograd_does_not_record(monkeypatch):
+    """Under torch.no_grad (an evaluation pass) with inputs that require gradients, "speed"
+    computes the loss only: the loop forms no gradient in the forward pass (an autograd
+    Function's forward is told which inputs require one, not whether anything records)."""
+    from torch_impl import engine
+
+    asked = []
+    original = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda rule, blocks, grads_now=(False,) * 3, *a, **k: asked.append(
+        any(grads_now)) or original(rule, blocks, grads_now, *a, **k))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 19, generator=gen).requires_grad_()
+    W = (torch.randn(53, 19, generator=gen) * 0.5).requires_grad_()
+    for name, loss in _losses("cpu").items():
+        with torch.no_grad():
+            loss(x, W, "speed")
+        assert asked and not any(asked), name
+        asked.clear()
+        loss(x, W, "speed").backward()  # a training step still forms them
+        assert any(asked) or name == "log_probs", name
+        asked.clear()

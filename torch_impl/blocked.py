@@ -33,6 +33,7 @@ logits' buffer ("memory" takes tiles), and no gradient is filtered.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -40,7 +41,10 @@ import torch
 from interop.blocking import block_shape, forward_only_rows, whole_row_memory_scratch
 from interop.options import CrossEntropyOptions
 from interop.tuning import Tuning
-from torch_impl.blocks import BlockPlan, HeadBlocks, addmm_, final_grad
+from torch_impl import engine
+from torch_impl.arguments import dense
+from torch_impl.autograd import SECOND_ORDER_MESSAGE
+from torch_impl.blocks import BlockPlan, HeadBlocks, addmm_
 from torch_impl.kernels import FILTER_COLS, RowMath, TargetCheck, TileFilter, block_grad_, block_stats_
 from torch_impl.vocab_parallel import VocabSplit, combine_stats
 
@@ -73,74 +77,122 @@ def plan_blocks(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, 
     return BlockPlan("memory", "tiles", rows, cols, dtype, filter_eps, tuning=t)
 
 
-class _Blocks(HeadBlocks):
-    """A cross-entropy call: the head's blocks plus the per-row math of its targets and options.
-    y and cw are the call's (global with a split); y_cols and cw_cols, what the block kernels
-    read: the targets as columns of this rank's classes and their class weights."""
+class CrossEntropyKernelRule(engine.Rule):
+    """Cross-entropy's per-row math on the kernels over `blocks`: y and cw are the call's
+    (global with a split); y_cols and cw_cols, what the block kernels read: the targets as
+    columns of this rank's classes and their class weights. In a plan of whole rows
+    ("rows") each block's statistics, losses and (with `forming`) dz come from one row
+    kernel (`RowMath.rows_`), filtered where the plan filters; in tiles, the block kernels
+    merge statistics and the losses follow per row block. For the backward pass: lse and the
+    upstream gradients (grad_loss 0-d or [N], grad_lse [N] or None)."""
 
-    def __init__(self, x_ND, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan,
-                 check: TargetCheck | None = None, active=None, split: VocabSplit | None = None):
-        super().__init__(x_ND, W, b_V, weight_layout, plan, active=active)
-        self.opts, self.split = opts, split
+    def __init__(self, blocks: HeadBlocks, cw_V, y_N, opts: CrossEntropyOptions, check: TargetCheck | None,
+                 split: VocabSplit | None, forming: bool = False, lse=None, grad_loss=None, grad_lse=None):
+        self.blocks, self.opts, self.split, self.forming = blocks, opts, split, forming
         self.cw = None if cw_V is None else cw_V.float()
-        self.y = self.active_rows(y_N.to(torch.int64))
-        self.rows = RowMath(self.y, self.cw, opts, self.vocab if split is None else split.vocab, check)
-        self.y_cols, self.cw_cols = (self.y, self.cw) if split is None else split.columns(self.y, self.cw, self.vocab)
+        self.y = blocks.active_rows(y_N.to(torch.int64))
+        self.rows = RowMath(self.y, self.cw, opts, blocks.vocab if split is None else split.vocab, check)
+        self.y_cols, self.cw_cols = (self.y, self.cw) if split is None else split.columns(self.y, self.cw, blocks.vocab)
+        # a split's ranks take the plan's branch, not their own slice's (a narrow slice can be whole in tiles)
+        self.fused = blocks.whole_rows if split is None else blocks.plan.layout == "rows"
+        n, dev = blocks.n_rows, blocks.x.device
+        self.filter = None
+        if lse is None:
+            self.lse, self.loss = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
+            if not self.fused:
+                self.m = torch.full((n,), -math.inf, dtype=torch.float32, device=dev)
+                self.l, self.sy, self.ws = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
+        else:
+            self.lse = lse
+            self.grad_loss = torch.zeros((), dtype=torch.float32, device=dev) if grad_loss is None else \
+                blocks.active_rows(grad_loss) if grad_loss.ndim else grad_loss
+            self.grad_lse = None if grad_lse is None else blocks.active_rows(grad_lse)
 
-    def losses_(self, m, l, sy, ws, rs: slice, lse_R, loss_R) -> None:
+    def _losses_(self, m, l, sy, ws, rs: slice) -> None:
         """lse and the row losses of rows rs from this rank's statistics (fp32 [R] each),
         combined over the split's ranks first."""
         if self.split is not None:
             (lse,) = combine_stats([(m, l)], [sy, ws], self.split.group)
             m, l = lse, torch.ones_like(lse)  # m + log(l) is then the combined lse itself
-        self.rows.losses_(m, l, sy, ws, rs, lse_R, loss_R)
+        self.rows.losses_(m, l, sy, ws, rs, self.lse[rs], self.loss[rs])
 
-    def row_terms_(self, z, b_V, rs: slice, lse_R, loss_R, grad: bool, tile_filter: TileFilter | None) -> None:
-        """Whole rows rs of logits z [R, V_r]: lse and the row losses, and with `grad` dz in
-        place for an upstream gradient of 1 (`RowMath.rows_`: one kernel). With a split, the
-        rank's statistics, combined over the ranks, then dz (two kernels)."""
-        if self.split is None:
-            self.rows.rows_(z, b_V, rs, lse_R, loss_R, grad=grad, tile_filter=tile_filter)
+    def _tile_filter(self, rs: slice) -> TileFilter | None:
+        """A fresh TileFilter for the whole rows rs when the plan filters, else None."""
+        if self.blocks.plan.filter_eps is None or not self.blocks.whole_rows:
+            return None
+        return TileFilter(self.blocks.plan.filter_eps, rs.stop - rs.start, self.blocks.vocab, self.blocks.x.device)
+
+    def stats_(self, z, v0, rs, sweep):
+        o, b = self.opts, self.blocks.b
+        if not self.fused:
+            block_stats_(z, v0, b, self.cw_cols, self.y_cols[rs], self.m[rs], self.l[rs], self.sy[rs], self.ws[rs],
+                         o.softcap, o.label_smoothing > 0)
             return
-        R, dev, o = z.shape[0], z.device, self.opts
+        self.filter = self._tile_filter(rs) if self.forming else None
+        if self.split is None:  # lse, the row losses and dz in place: one kernel
+            self.rows.rows_(z, b, rs, self.lse[rs], self.loss[rs], grad=self.forming, tile_filter=self.filter)
+            return
+        R, dev = z.shape[0], z.device  # a split: the rank's statistics, combined over the ranks, then dz
         m = torch.full((R,), -math.inf, dtype=torch.float32, device=dev)
         l, sy, ws = (torch.zeros(R, dtype=torch.float32, device=dev) for _ in range(3))
-        block_stats_(z, 0, b_V, self.cw_cols, self.y_cols[rs], m, l, sy, ws, o.softcap, o.label_smoothing > 0)
-        self.losses_(m, l, sy, ws, rs, lse_R, loss_R)
-        if grad:
-            p_R, t_R, s_R = self.rows.coefficients(lse_R, torch.ones((), dtype=torch.float32, device=dev), None, rs)
-            block_grad_(z, z, 0, b_V, self.cw_cols, self.y_cols[rs], lse_R, p_R, t_R, s_R, o.softcap)
+        block_stats_(z, 0, b, self.cw_cols, self.y_cols[rs], m, l, sy, ws, o.softcap, o.label_smoothing > 0)
+        self._losses_(m, l, sy, ws, rs)
+        if self.forming:
+            p_R, t_R, s_R = self.rows.coefficients(self.lse[rs], torch.ones((), dtype=torch.float32, device=dev), None, rs)
+            block_grad_(z, z, 0, b, self.cw_cols, self.y_cols[rs], self.lse[rs], p_R, t_R, s_R, o.softcap)
 
-    def tile_filter(self, rs: slice) -> TileFilter | None:
-        """A fresh TileFilter for the whole rows rs when the plan filters, else None."""
-        if self.plan.filter_eps is None or not self.whole_rows:
-            return None
-        return TileFilter(self.plan.filter_eps, rs.stop - rs.start, self.vocab, self.x.device)
+    def rows_done(self, rs, sweep):
+        if not self.fused:  # (the first launches the target check, behind the first product)
+            self._losses_(self.m[rs], self.l[rs], self.sy[rs], self.ws[rs], rs)
 
-    def add_filtered_grads(self, dz, rs: slice, f: TileFilter, dx_out, dW, db) -> None:
+    def total(self):
+        """The reduced loss (or [N] for "none", over all of x's rows) of the forward pass."""
+        return self.rows.reduce(self.blocks.all_rows(self.loss) if self.opts.reduction == "none" else self.loss)
+
+    def coefficients(self, rs):
+        if self.forming:
+            return  # dz was formed with the statistics
+        grad_lse = None if self.grad_lse is None else self.grad_lse[rs]
+        self.p, self.t, self.s = self.rows.coefficients(self.lse[rs], self.grad_loss, grad_lse, rs)
+        self.filter = self._tile_filter(rs)
+
+    def grad(self, z, v0, rs):
+        if not self.forming:
+            block_grad_(z, z, v0, self.blocks.b, self.cw_cols, self.y_cols[rs], self.lse[rs], self.p, self.t, self.s,
+                        self.opts.softcap, tile_filter=self.filter)
+        return z
+
+    def add_grads(self, dz, rs, v0, cols, dx_out, dW, db, accumulate):
+        if self.filter is None:
+            self.blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=accumulate)
+        else:
+            self._add_filtered_grads(dz, rs, dx_out, dW, db)
+
+    def _add_filtered_grads(self, dz, rs: slice, dx_out, dW, db) -> None:
         """Add a filtered block of whole rows to the gradients: dz [R, V] on the tiles that
-        f.tiles keeps (gathered when few are, else the others zeroed in place) plus the
-        target terms f.target, sparse. Asks the GPU once which tiles are kept (unless the
-        plan may not wait for it: then zeroed in place). Never with a split (y is global)."""
+        the filter keeps (gathered when few are, else the others zeroed in place) plus the
+        target terms, sparse. Asks the GPU once which tiles are kept (unless the plan may not
+        wait for it: then zeroed in place). Never with a split (y is global)."""
         assert self.split is None, "a split head computes every entry"
-        vocab = self.vocab
-        kept = f.tiles.nonzero().squeeze(1).tolist() if self.plan.host_sync else None
-        if kept is None or len(kept) > self.plan.tuning.gather_share * f.tiles.shape[0]:
+        blocks, f = self.blocks, self.filter
+        vocab = blocks.vocab
+        kept = f.tiles.nonzero().squeeze(1).tolist() if blocks.plan.host_sync else None
+        if kept is None or len(kept) > blocks.plan.tuning.gather_share * f.tiles.shape[0]:
             if kept is None or len(kept) < f.tiles.shape[0]:
                 dz.mul_(f.tiles.repeat_interleave(FILTER_COLS)[:vocab].to(dz.dtype))
-            cols, W_A = None, self.head_cols(0, vocab)
+            cols, W_A = None, blocks.head_cols(0, vocab)
         else:
             cols = kept_columns(kept, vocab, dz.device)
-            dz, W_A = dz.index_select(1, cols), self.head_rows(cols)
+            dz, W_A = dz.index_select(1, cols), blocks.head_rows(cols)
         y = self.y[rs]
         y = torch.where((y >= 0) & (y < vocab), y, 0)  # the target term is 0 where y is not a class
         target = f.target
         if dx_out is not None:
             acc = torch.empty(dx_out.shape, dtype=target.dtype, device=dz.device)
             addmm_(acc, dz, W_A, beta=0.0)
-            acc.addcmul_(target[:, None], self.head_rows(y).to(acc.dtype))
+            acc.addcmul_(target[:, None], blocks.head_rows(y).to(acc.dtype))
             dx_out.copy_(acc)
-        x_R = self.x_rows(rs)
+        x_R = blocks.x_rows(rs)
         if dW is not None:
             if cols is None:
                 dW.add_(dz, x_R, 0)
@@ -158,6 +210,10 @@ class _Blocks(HeadBlocks):
             db.index_add_(0, y, target.to(db.dtype))
 
 
+def _blocks(x, W, b_V, weight_layout, plan, active, split) -> HeadBlocks:
+    return HeadBlocks(x if split is None else split.whole_rows(x), W, b_V, weight_layout, plan, active=active)
+
+
 def forward(x, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_now=(False, False, False),
             check: TargetCheck | None = None, active=None, split: VocabSplit | None = None):
     """Loss (reduced, or [N] for "none"), lse (fp32, [N], or [A] over `active`) and, if any of
@@ -166,45 +222,10 @@ def forward(x, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_no
     part of them). check: the call's TargetCheck over all of y (launched here, after the first
     logits product), or None to check y here. active: int64 [A], the only rows computed
     (HeadBlocks), or None. split: this rank's place in a head split over the vocabulary."""
-    x_ND = x if split is None else split.whole_rows(x)
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, check, active, split)
-    n, dev = blocks.n_rows, x_ND.device
-    lse, loss = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
-    in_forward = any(grads_now)
-    assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
-    dx, _, dW, db = blocks.gradient_buffers(*grads_now, wide_dx=split is not None)
-    # statistics, losses and dz per block of whole rows; a split's ranks take the same branch
-    # (the plan's, not their own slice's: a narrow slice can be whole in a plan of tiles)
-    if blocks.whole_rows if split is None else plan.layout == "rows":
-        for rs in blocks.row_blocks():
-            z = blocks.logits(rs, 0, blocks.vocab)
-            f = blocks.tile_filter(rs) if in_forward else None
-            blocks.row_terms_(z, b_V, rs, lse[rs], loss[rs], grad=in_forward, tile_filter=f)
-            dx_R = None if dx is None else blocks.dx_rows(dx, rs)
-            if f is not None:
-                blocks.add_filtered_grads(z, rs, f, dx_R, dW, db)
-            elif in_forward:
-                blocks.add_grads(z, rs, 0, blocks.vocab, dx_R, dW, db)
-            if dx_R is not None:
-                blocks.scatter_dx_rows(dx, rs, dx_R)
-        if dx is not None:
-            blocks.zero_skipped_dx_rows(dx)
-    else:
-        m = torch.full((n,), -math.inf, dtype=torch.float32, device=dev)
-        l, sy, ws = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
-        for rs in blocks.row_blocks():
-            for v0, cols in blocks.col_blocks():
-                block_stats_(blocks.logits(rs, v0, cols), v0, b_V, blocks.cw_cols, blocks.y_cols[rs], m[rs], l[rs],
-                             sy[rs], ws[rs], opts.softcap, opts.label_smoothing > 0)
-            if split is None:  # (the first launches the target check, behind the first product)
-                blocks.losses_(m[rs], l[rs], sy[rs], ws[rs], rs, lse[rs], loss[rs])
-        if split is not None:  # one combine of every row's statistics
-            blocks.losses_(m, l, sy, ws, slice(0, n), lse, loss)
-    loss = blocks.rows.reduce(blocks.all_rows(loss) if opts.reduction == "none" else loss)
-    z = blocks = None  # the logits buffer goes before dW's conversion allocates its result
-    if dx is not None and split is not None:
-        dx = split.sum_grad_input(dx, x)
-    return loss, lse, dx, final_grad(dW, W), final_grad(db, b_V)
+    blocks = _blocks(x, W, b_V, weight_layout, plan, active, split)
+    rule = CrossEntropyKernelRule(blocks, cw_V, y_N, opts, check, split, forming=any(grads_now))
+    grads = engine.forward(rule, blocks, grads_now, split, x)
+    return (rule.total(), rule.lse, *grads)
 
 
 def backward(grad_loss, grad_lse, x, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True),
@@ -212,41 +233,9 @@ def backward(grad_loss, grad_lse, x, W, b_V, cw_V, y_N, lse, opts, weight_layout
     """(dx, dW, db) by recomputing the logits block by block; None for what is not needed.
     grad_loss: 0-d, or [N] for "none"; grad_lse [N] or None; lse as `forward` gave it; the
     other arguments as `forward`'s."""
-    x_ND = x if split is None else split.whole_rows(x)
-    blocks = _Blocks(x_ND, W, b_V, cw_V, y_N, opts, weight_layout, plan, check, active, split)
-    if grad_loss is None:
-        grad_loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
-    elif grad_loss.ndim:
-        grad_loss = blocks.active_rows(grad_loss)
-    if grad_lse is not None:
-        grad_lse = blocks.active_rows(grad_lse)
-    dx, dx_acc, dW, db = blocks.gradient_buffers(*need, wide_dx=split is not None)
-    y, cw = blocks.y_cols, blocks.cw_cols
-    for rs in blocks.row_blocks():
-        p_R, t_R, s_R = blocks.rows.coefficients(lse[rs], grad_loss, None if grad_lse is None else grad_lse[rs], rs)
-        f = blocks.tile_filter(rs)
-        dx_R = None if dx is None or dx_acc is not None else blocks.dx_rows(dx, rs)
-        if f is not None:
-            dz = blocks.logits(rs, 0, blocks.vocab)
-            block_grad_(dz, dz, 0, b_V, cw, y[rs], lse[rs], p_R, t_R, s_R, opts.softcap, tile_filter=f)
-            blocks.add_filtered_grads(dz, rs, f, dx_R, dW, db)
-        else:
-            for v0, cols in blocks.col_blocks():
-                dz = blocks.logits(rs, v0, cols)
-                block_grad_(dz, dz, v0, b_V, cw, y[rs], lse[rs], p_R, t_R, s_R, opts.softcap)
-                dx_out = dx_R if dx_acc is None else dx_acc[: rs.stop - rs.start]
-                blocks.add_grads(dz, rs, v0, cols, dx_out, dW, db, dx_accumulate=dx_acc is not None)
-            if dx_acc is not None:
-                blocks.put_dx_rows(dx, rs, dx_acc[: rs.stop - rs.start])
-                dx_acc.zero_()
-        if dx_R is not None:
-            blocks.scatter_dx_rows(dx, rs, dx_R)
-    if dx is not None:
-        blocks.zero_skipped_dx_rows(dx)
-    dz = blocks = dx_acc = None  # the logits buffer goes before dW's conversion allocates its result
-    if dx is not None and split is not None:
-        dx = split.sum_grad_input(dx, x)
-    return dx, final_grad(dW, W), final_grad(db, b_V)
+    blocks = _blocks(x, W, b_V, weight_layout, plan, active, split)
+    rule = CrossEntropyKernelRule(blocks, cw_V, y_N, opts, check, split, lse=lse, grad_loss=grad_loss, grad_lse=grad_lse)
+    return engine.backward(rule, blocks, need, split, x)
 
 
 def kept_columns(kept_tiles: list[int], vocab: int, device) -> torch.Tensor:
@@ -256,3 +245,35 @@ def kept_columns(kept_tiles: list[int], vocab: int, device) -> torch.Tensor:
     cols = (tiles[:, None] * FILTER_COLS + torch.arange(FILTER_COLS, device=device)).flatten()
     last = kept_tiles[-1] * FILTER_COLS + FILTER_COLS - vocab if kept_tiles else 0
     return cols[: cols.shape[0] - max(0, last)]
+
+
+@dataclasses.dataclass
+class KernelCall(engine.Call):
+    """`forward` and `backward` on tensors (x [N, D], W, b, cw, y [N], active); outputs
+    (reduced loss, lse [N] or [A] over `active`), fp32. When the loss is reduced, no lse is
+    returned and an input needs a gradient, a plan of whole rows forms the gradients in the
+    forward pass. The inputs are saved on every plan (x [N, D] stays alive until the
+    backward pass, as a linear layer's input does). check: the call's TargetCheck over all
+    of y; the caller asks it for bad targets after the forward pass is queued."""
+
+    opts: CrossEntropyOptions
+    layout: str
+    plan: BlockPlan
+    return_lse: bool
+    check: TargetCheck
+    split: VocabSplit | None = None
+    n_grads = 3
+    message = SECOND_ORDER_MESSAGE
+
+    def forward(self, tensors, need):
+        x, W, b, cw, y, active = tensors
+        now = any(need) and self.plan.layout == "rows" and self.opts.reduction != "none" and not self.return_lse
+        loss, lse, *grads = forward(x, W, b, cw, y, self.opts, self.layout, self.plan, need if now else (False,) * 3,
+                                    self.check, active, self.split)
+        return (loss, lse), (lse,), tuple(grads) if now else None
+
+    def backward(self, tensors, saved, grad_outputs, need):
+        (x, W, b, cw, y, active), (lse,) = tensors, saved
+        grad_loss, grad_lse = (dense(g) for g in grad_outputs)  # an expanded upstream gradient has stride 0
+        return backward(grad_loss, grad_lse, x, W, b, cw, y, lse, self.opts, self.layout, self.plan, need, self.check,
+                        active, self.split)

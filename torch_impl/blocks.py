@@ -1,7 +1,6 @@
-"""A linear head's operands cut into blocks, for every block loop (`torch_impl.blocked`,
-`torch_impl.stepped`, `torch_impl.distill_blocked`): the plan of one call, the reused
-logits buffer, the rows gathered and scattered when only some are computed, and the
-gradient accumulators (grad_weight in vocabulary slabs). No kernel here: the fallback runs
+"""A linear head's operands cut into blocks, for the block loop (`torch_impl.engine`): the
+plan of one call, the reused logits buffer, the rows gathered and scattered when only some
+are computed, and the gradient accumulators (grad_weight in vocabulary slabs). No kernel here: the fallback runs
 these blocks where Triton is not installed.
 """
 
@@ -170,6 +169,10 @@ class HeadBlocks:
         n = min(rows, self.n_rows) * min(self.plan.block_cols, self.vocab)
         return torch.empty(n if self.logits_dtype == self.x.dtype else 0, dtype=self.x.dtype, device=self.x.device)
 
+    def release(self) -> None:
+        """Drop the logits buffer and the gathered rows (the loop is done with them)."""
+        self.buffer, self._gathered = None, (None, None)
+
     def row_blocks(self):
         """Slices of the computed rows (of x's rows, or of `active`): plan.block_rows each, or
         with the scratch as many as fit (interop.blocking.scratch_block_rows)."""
@@ -285,7 +288,9 @@ class HeadBlocks:
         if dx_out is not None:
             W_c = self.head_cols(v0, cols)
             dz_in = dz.to(W_c.dtype)
-            if dx_accumulate or dx_out.dtype != dz_in.dtype:  # an fp32 dx of a 16-bit head: cuBLAS adds in fp32
+            if torch.is_grad_enabled() and (dz_in.requires_grad or W_c.requires_grad):  # recorded: no out=
+                dx_out.add_(dz_in @ W_c) if dx_accumulate else dx_out.copy_(dz_in @ W_c)
+            elif dx_accumulate or dx_out.dtype != dz_in.dtype:  # an fp32 dx of a 16-bit head: cuBLAS adds in fp32
                 addmm_(dx_out, dz_in, W_c, beta=1.0 if dx_accumulate else 0.0)
             else:
                 torch.mm(dz_in, W_c, out=dx_out)

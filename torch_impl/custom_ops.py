@@ -31,7 +31,7 @@ import torch
 
 from interop.options import DEFAULT_IGNORE_INDEX, CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy
 from interop.tuning import Tuning
-from torch_impl import stepped
+from torch_impl import cross_entropy_rule
 from torch_impl.arguments import dense
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import plan_steps
@@ -254,7 +254,7 @@ def _backward_grads(c: _Call, grad_loss, grad_lse, lse, linear_weight, weight_la
     grad_lse = None if grad_lse is None else dense(grad_lse.reshape(-1))
     if ops is not None:
         cw = None if c.cw is None else c.cw.to(lse.dtype)
-        return stepped.backward(grad_loss, grad_lse, c.x, linear_weight, c.b, cw, c.y, lse.reshape(-1), c.opts,
+        return cross_entropy_rule.backward(grad_loss, grad_lse, c.x, linear_weight, c.b, cw, c.y, lse.reshape(-1), c.opts,
                                 weight_layout, plan, ops, need)
     check = TargetCheck(c.y, c.cw, c.opts.ignore_index, c.vocab, watch=False)
     return blocked.backward(dense(grad_loss.float()), grad_lse, c.x, linear_weight, c.b, c.cw, c.y, lse.reshape(-1).float(),
@@ -276,7 +276,7 @@ def linear_cross_entropy_op(
     plan, ops = _plan(c, strategy, accumulate_in_input_dtype, filter_eps, grads_now)
     want = tuple(grads_now)
     if ops is not None:
-        loss, lse, _ = stepped.forward(c.x, linear_weight, c.b, c.cw, c.y, c.opts, weight_layout, plan, ops)
+        loss, lse, _ = cross_entropy_rule.forward(c.x, linear_weight, c.b, c.cw, c.y, c.opts, weight_layout, plan, ops)
         grads = (None,) * 3
     else:
         check = TargetCheck(c.y, c.cw, c.opts.ignore_index, c.vocab, watch=False)

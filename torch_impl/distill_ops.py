@@ -69,7 +69,7 @@ def linear_topk_distillation_op(
     """(loss; lse_T, lse_1 [N], s_ids [N, K], s_y [N]: the per-row values its backward pass
     reads; the gradients of input, linear_weight and linear_bias for an upstream gradient of
     1 where grads_now is set, else empty tensors)."""
-    from torch_impl.distill_blocked import topk_backward, topk_forward
+    from torch_impl.distill_rules import topk_backward, topk_forward
 
     o, shape = topk_checked(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask,
                              temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
@@ -109,7 +109,7 @@ def linear_topk_distillation_backward_op(
     accumulate_in_input_dtype: bool, tuning: list[float], need: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of `linear_topk_distillation_op`'s loss from its saved per-row values."""
-    from torch_impl.distill_blocked import topk_backward
+    from torch_impl.distill_rules import topk_backward
 
     o, shape = topk_checked(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask,
                              temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
@@ -168,7 +168,7 @@ def linear_distillation_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss; lse_s, lse_t, kl_q [N]: what its backward pass reads; the gradients of input
     and linear_weight for an upstream gradient of 1 where grads_now is set, else empty)."""
-    from torch_impl.distill_blocked import dense_backward, dense_forward
+    from torch_impl.distill_rules import dense_backward, dense_forward
 
     o, shape = dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta,
                               temperature, temperature_squared, reduction, ignore_index, weight_layout, strategy)
@@ -206,7 +206,7 @@ def linear_distillation_backward_op(
     accumulate_in_input_dtype: bool, tuning: list[float], need: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of `linear_distillation_op`'s loss from its saved per-row values."""
-    from torch_impl.distill_blocked import dense_backward
+    from torch_impl.distill_rules import dense_backward
 
     o, shape = dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta,
                               temperature, temperature_squared, reduction, ignore_index, weight_layout, strategy)

@@ -1,5 +1,5 @@
 """The distillation losses for PyTorch (interop/SPEC-DISTILLATION.md): check the call, then
-run the Triton path (CUDA) or the PyTorch fallback (`torch_impl.distill_blocked`)."""
+run the block engine with its rules (`torch_impl.distill_rules`) on the Triton kernels (CUDA) or the PyTorch fallback."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from interop.options import check_reduction, check_tuning, target_out_of_range_m
 from interop.tuning import Tuning
 from torch_impl import custom_ops, distill_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
-from torch_impl.distill_blocked import DenseDistillation, TopKDistillation
+from torch_impl.distill_rules import DenseCall, TopKCall
+from torch_impl import engine
 from torch_impl.steps import plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
 from torch_impl.functional import (choose_strategy, head_slice, runs_compiled, split_operands, valid_rows_only,
@@ -181,8 +182,8 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
         teacher, y_kernel = teacher.columns_of(first, shape.vocab), local_targets(y_kernel, first, shape.vocab)
     plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
                            accumulate_in_input_dtype, gathered_rows=rows is not None)
-    loss = TopKDistillation.apply(x_ND, linear_weight, linear_bias, teacher, y_kernel, valid, o, weight_layout, plan, ops,
-                                  denominator(num_items_in_batch, wide, dev), rows, split)
+    call = TopKCall(teacher, o, weight_layout, plan, ops, denominator(num_items_in_batch, wide, dev), rows, split)
+    loss = engine.apply(call, x_ND, linear_weight, linear_bias, y_kernel, valid)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 
 
@@ -296,7 +297,7 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
         valid = valid.index_select(0, rows)
     plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
                            accumulate_in_input_dtype, buffers=2, gathered_rows=rows is not None)
-    loss = DenseDistillation.apply(x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid, o, weight_layout, vocab,
-                                   plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev), rows,
-                                   split)
+    call = DenseCall(o, weight_layout, vocab, plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev),
+                     rows, split)
+    loss = engine.apply(call, x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss

@@ -12,13 +12,13 @@ from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs
 from interop.tuning import Tuning
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
 from torch_impl import custom_ops
-from torch_impl.stepped import SteppedLinearCrossEntropy
+from torch_impl.cross_entropy_rule import CrossEntropyCall
+from torch_impl import engine
 from torch_impl.steps import plan_steps
 
 try:
     from torch_impl import blocked
     from torch_impl.kernels import TargetCheck
-    from torch_impl.function import KernelLinearCrossEntropy
 except ImportError:  # no Triton: the chunked path serves every call
     blocked = None
 try:
@@ -324,8 +324,8 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         check_target_range(y_N, shape.vocab, opts.ignore_index)
         plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
                                accumulate_in_input_dtype)
-        loss, lse_N = SteppedLinearCrossEntropy.apply(
-            x_ND, linear_weight, linear_bias, weight, y_N.to(torch.int64), opts, weight_layout, plan, ops, split)
+        loss, lse_N = engine.apply(CrossEntropyCall(opts, weight_layout, plan, ops, split), x_ND, linear_weight,
+                                   linear_bias, weight, y_N.to(torch.int64))
     else:
         # The kernels read out-of-range targets safely (NaN rows), so the work is queued before
         # the host looks at the bad-target count: the check runs behind the first logits
@@ -340,9 +340,8 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
                                    accumulate_in_input_dtype, filter_eps if split is None else None,
                                    gathered_rows=active is not None, n_all=shape.n_rows, forward_only=not needs_grad,
                                    split=split is not None)
-        loss, lse_N = KernelLinearCrossEntropy.apply(
-            x_ND, linear_weight, linear_bias, weight, y_N, opts, weight_layout, plan, return_lse, check, active, split
-        )
+        call = blocked.KernelCall(opts, weight_layout, plan, return_lse, check, split)
+        loss, lse_N = engine.apply(call, x_ND, linear_weight, linear_bias, weight, y_N, active)
         if check.bad_count():
             check_target_range(y_N, shape.vocab, opts.ignore_index)
     if opts.reduction == "none":

@@ -8,6 +8,7 @@ import torch
 
 from interop.options import DEFAULT_IGNORE_INDEX, check_inputs, check_strategy
 from interop.tuning import Tuning
+from torch_impl import log_probs_rule
 from torch_impl.arguments import dense
 from torch_impl.custom_ops import (block_steps, dtype_of, fake_grads, fused_autograd, grad_outputs, number, optional_shape,
                                    tuning_values)
@@ -41,13 +42,11 @@ def linear_log_probs_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probabilities, entropy, lse, argmax), each shaped as target; the first three in
     the compute dtype, argmax int64. A bad target gives a NaN log-probability."""
-    from torch_impl import log_probs
-
     o, shape = log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index,
                                   weight_layout, strategy)
     x, y, b = _log_probs_operands(shape, input, target, linear_bias)
     plan, ops = block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning, speed_pays=False)
-    logp, entropy, argmax, lse = log_probs.forward(x, linear_weight, b, y, o, weight_layout, plan, ops)
+    logp, entropy, argmax, lse = log_probs_rule.forward(x, linear_weight, b, y, o, weight_layout, plan, ops)
     return tuple(t.reshape(shape.lead_shape) for t in (logp, entropy, lse, argmax))
 
 
@@ -69,14 +68,12 @@ def linear_log_probs_backward_op(
     need: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of `linear_log_probs_op`'s log-probabilities and entropy (upstream)."""
-    from torch_impl import log_probs
-
     o, shape = log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index,
                                   weight_layout, strategy)
     x, y, b = _log_probs_operands(shape, input, target, linear_bias)
     plan, ops = block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning, speed_pays=False)
     flat = [None if t is None else t.reshape(-1) for t in (*upstream, *saved)]
-    grads = log_probs.backward(flat[0], flat[1], x, linear_weight, b, y, flat[3], flat[2], o, weight_layout, plan, ops,
+    grads = log_probs_rule.backward(flat[0], flat[1], x, linear_weight, b, y, flat[3], flat[2], o, weight_layout, plan, ops,
                                tuple(need))
     return grad_outputs(input, linear_weight, linear_bias, grads, tuple(need))
 

@@ -5,13 +5,15 @@ KL to a reference policy and an entropy bonus) on a linear head, without the N x
 The loss of each token is a function of its log-probability and entropy
 (`interop.policy_loss.token_terms`), so, unlike `linear_log_probs`, its upstream gradients
 are known as soon as a row block's statistics are: "speed" forms the gradients in the
-forward pass from one product per block of whole rows (`log_probs.forward_with_grads`, 6 N D V
+forward pass from one product per block of whole rows (`log_probs_rule.forward_with_grads`, 6 N D V
 flops, as cross-entropy's "speed"), and the backward pass only scales them. "memory" and
 "chunked" keep the forward pass's log-probabilities and entropy and recompute the logits in the
-backward pass (`log_probs.backward`, 8 N D V flops), holding no gradient between the passes.
+backward pass (`log_probs_rule.backward`, 8 N D V flops), holding no gradient between the passes.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -19,9 +21,8 @@ from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
 from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
 from interop.tuning import Tuning
-from torch_impl import custom_ops, log_probs, log_probs_ops
+from torch_impl import custom_ops, engine, log_probs_ops, log_probs_rule
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
-from torch_impl.autograd import first_order_only, scale_formed
 from torch_impl.blocks import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl.functional import (check_target_range, choose_strategy, head_slice, runs_compiled, split_operands,
@@ -38,56 +39,53 @@ def _terms(o: PolicyLossOptions, tokens, rs, logp, entropy, valid):
     return token_terms(torch, o, logp, entropy, valid[rs], *(None if v is None else v[rs] for v in tokens))
 
 
-class LinearPolicyLoss(torch.autograd.Function):
-    """Over flattened rows x [N, D], W, bias, targets y [N] (int64), the options and the
-    per-token tensors (TOKEN_ARGUMENTS' order, [N] in the compute dtype, or None); returns the
-    loss (0-d, fp32, fp64 for fp64 inputs). With `active` (int64 [A]: the tokens not ignored)
-    only those rows are computed, and y and the per-token tensors are [A]. With form_grads
-    (autograd records and an input needs a gradient), "speed" forms the gradients in the
-    forward pass and the first backward pass scales them; a later one (retain_graph)
-    recomputes. The per-token tensors are saved as the inputs are (changed in place before
-    the backward pass, they raise)."""
+@dataclasses.dataclass
+class PolicyCall(engine.Call):
+    """The loss on tensors (x [N, D], W, bias, targets y [N] (int64), then the per-token
+    tensors in TOKEN_ARGUMENTS' order, [N] in the compute dtype, or None); output the loss
+    (0-d, fp32, fp64 for fp64 inputs). With `active` (int64 [A]: the tokens not ignored)
+    only those rows are computed, and y and the per-token tensors are [A]. "speed" forms the
+    gradients in the forward pass; a later backward pass (retain_graph) recomputes. The
+    per-token tensors are saved as the inputs are (changed in place before the backward
+    pass, they raise)."""
 
-    @staticmethod
-    def forward(ctx, x_ND, W, b_V, y_N, o: PolicyLossOptions, head: LogProbsOptions, layout: str, plan: BlockPlan, ops,
-                active, split, form_grads: bool, *tokens):
-        need = ctx.needs_input_grad[:3]
-        valid = y_N != head.ignore_index
-        in_forward = form_grads and any(need) and plan.strategy == "speed"
-        if in_forward:
-            upstream = lambda rs, logp, entropy: _terms(o, tokens, rs, logp, entropy, valid)[1:]
-            logp, entropy, *grads = log_probs.forward_with_grads(x_ND, W, b_V, y_N, head, layout, plan, ops, upstream,
-                                                                 need, active, split)
-            lse = None
+    o: PolicyLossOptions
+    head: LogProbsOptions
+    layout: str
+    plan: BlockPlan
+    ops: type
+    active: torch.Tensor | None
+    split: object
+    message = SECOND_ORDER_MESSAGE
+
+    def _logp(self, x, W, b, y):
+        """(log-probabilities, entropy, lse) of the rows, the statistics only."""
+        logp, entropy, _, lse = log_probs_rule.forward(x, W, b, y, self.head, self.layout, self.plan, self.ops,
+                                                       self.active, self.split)
+        return logp, entropy, lse
+
+    def forward(self, tensors, need):
+        (x, W, b, y), tokens = tensors[:4], tensors[4:]
+        valid = y != self.head.ignore_index
+        grads = lse = None
+        if any(need) and self.plan.strategy == "speed":
+            upstream = lambda rs, logp, entropy: _terms(self.o, tokens, rs, logp, entropy, valid)[1:]
+            logp, entropy, *grads = log_probs_rule.forward_with_grads(x, W, b, y, self.head, self.layout, self.plan,
+                                                                      self.ops, upstream, need, self.active, self.split)
         else:
-            logp, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active, split)
-            grads = None
-        ctx.grads = grads
-        ctx.args = (o, head, layout, plan, ops, active, split)
-        ctx.save_for_backward(x_ND, W, b_V, y_N, logp, entropy, lse, *tokens)
-        ctx.set_materialize_grads(False)
-        return _terms(o, tokens, slice(None), logp, entropy, valid)[0].sum()
+            logp, entropy, lse = self._logp(x, W, b, y)
+        loss = _terms(self.o, tokens, slice(None), logp, entropy, valid)[0].sum()
+        return (loss,), (logp, entropy, lse), grads
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        return first_order_only(ctx, LinearPolicyLoss._backward, grad_loss, message=SECOND_ORDER_MESSAGE)
-
-    @staticmethod
-    def _backward(ctx, grad_loss):
-        none = (None,) * (9 + len(TOKEN_ARGUMENTS))
-        if grad_loss is None:
-            return (None, None, None) + none
-        if ctx.grads is not None:  # the first backward of gradients formed in the forward pass (by the kernels)
-            grads, ctx.grads = ctx.grads, None
-            return scale_formed(grads, grad_loss, kernels=True) + none
-        x_ND, W, b_V, y_N, logp, entropy, lse, *tokens = ctx.saved_tensors
-        o, head, layout, plan, ops, active, split = ctx.args
-        _, g, g_h = _terms(o, tokens, slice(None), logp, entropy, y_N != head.ignore_index)
+    def backward(self, tensors, saved, grad_outputs, need):
+        (x, W, b, y), tokens = tensors[:4], tensors[4:]
+        (logp, entropy, lse), (grad_loss,) = saved, grad_outputs
+        _, g, g_h = _terms(self.o, tokens, slice(None), logp, entropy, y != self.head.ignore_index)
         g, g_h = g * grad_loss, None if g_h is None else g_h * grad_loss
         if lse is None:  # a later backward of "speed": the statistics again
-            _, entropy, _, lse = log_probs.forward(x_ND, W, b_V, y_N, head, layout, plan, ops, active, split)
-        return log_probs.backward(g, g_h, x_ND, W, b_V, y_N, lse, entropy, head, layout, plan, ops,
-                                  ctx.needs_input_grad[:3], active, split) + none
+            _, entropy, lse = self._logp(x, W, b, y)
+        return log_probs_rule.backward(g, g_h, x, W, b, y, lse, entropy, self.head, self.layout, self.plan, self.ops,
+                                       need, self.active, self.split)
 
 
 def _per_token(name: str, t, shape, input, wide):
@@ -281,9 +279,5 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
         y_N, tokens = y_N[rows], {k: None if v is None else v[rows] for k, v in tokens.items()}
     plan, ops = plan_steps(tuning, strategy, y_N.shape[0], shape.hidden, plan_vocab, x_ND.dtype,
                            accumulate_in_input_dtype, gathered_rows=rows is not None)
-    # no gradient formed where none will be asked for (no_grad, inference_mode, no input
-    # that requires one): Function.forward always runs with autograd off, so it is told
-    form_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                  for t in (input, linear_weight, linear_bias))
-    return LinearPolicyLoss.apply(x_ND, linear_weight, dense(linear_bias), y_N, o, head, weight_layout, plan, ops, rows,
-                                  split, form_grads, *(tokens[k] for k in TOKEN_ARGUMENTS))
+    call = PolicyCall(o, head, weight_layout, plan, ops, rows, split)
+    return engine.apply(call, x_ND, linear_weight, dense(linear_bias), y_N, *(tokens[k] for k in TOKEN_ARGUMENTS))

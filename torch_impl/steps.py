@@ -1,8 +1,9 @@
 """The block steps of every loss, twice: on the Triton kernels (`KernelOps`, CUDA or
 TRITON_INTERPRET=1) and in plain PyTorch (`TorchOps`, the fallback: fp32 logits, fp64 for fp64
-inputs). `torch_impl.stepped` (cross-entropy's fallback) and
-`torch_impl.distill_blocked` drive either; `torch_impl.blocked` runs single-device
-cross-entropy on the kernels directly (its fused row kernels and gradient filter).
+inputs). The rules of `torch_impl.cross_entropy_rule` (cross-entropy's fallback),
+`torch_impl.distill_rules` and `torch_impl.log_probs_rule` call either; cross-entropy on the
+kernels (`torch_impl.blocked`) calls the kernels directly (its fused row kernels and
+gradient filter).
 
 Each step works on one logits block z [R, C] (columns v0..v0+C, no bias) and per-row fp32
 (or fp64) vectors; "stats" merge the block into running (m, l) of scale * s, s at the

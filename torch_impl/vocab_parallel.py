@@ -17,12 +17,11 @@ the same (options, dtypes, which inputs need a gradient, the targets) and so mus
 upstream gradients: "speed" forms the summed gradients in the forward pass, and each rank
 scales them by its own.
 
-The losses run this as a mode of their usual block loops: cross-entropy's kernel path
-(`torch_impl.blocked`) and its fallback (`torch_impl.stepped`), both distillation losses
-(`torch_impl.distill_blocked`), the log-probabilities and the policy loss
-(`torch_impl.log_probs`, whose statistics add the entropy's and the argmax's). Where "speed"
+Every loss runs this as a mode of the block loop (`torch_impl.engine`): the rows gathered,
+each rule's statistics combined over the ranks (`combine_stats`, or the log-probabilities'
+own combine, which adds the entropy's and the argmax's), grad_input summed. Where "speed"
 forms the gradients in the forward pass it still does (6 N D V / P flops per rank), each
-block of whole rows combined before its dz. `VocabSplit` is what those loops need of the split.
+block of whole rows combined before its dz. `VocabSplit` is what the loop needs of the split.
 
 A DTensor head sharded on its vocabulary dimension over a 1-D mesh (what ColwiseParallel
 makes), with an input replicated on that mesh or sharded on its rows, runs here too: its local slice and the mesh's
