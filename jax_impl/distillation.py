@@ -1,6 +1,6 @@
 """The distillation losses for JAX (interop/SPEC-DISTILLATION.md), with the same arguments,
 defaults and semantics as `torch_impl.distillation`: check the call, then run the Pallas
-path (GPU) or the jax.numpy fallback (`jax_impl.distill_blocked`)."""
+path (GPU) or the jax.numpy fallback (`jax_impl.distill_rules`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from interop.distillation import (DenseDistillationOptions, TopKDistillationOpti
                                   check_topk_inputs, teacher_id_out_of_range_message)
 from interop.options import check_reduction, check_strategy, check_tuning, target_out_of_range_message
 from interop.tuning import Tuning
-from jax_impl.distill_blocked import dense_distillation, plan_distillation, topk_distillation
+from jax_impl.distill_rules import dense_distillation, plan_distillation, topk_distillation
 from jax_impl.distill_rows import TopKTeacher, valid_rows
 from jax_impl.functional import (as_array, choose_strategy, denominator, dtype_name, maybe_array, platform_of, shape_of,
                                  whole_vocab)

@@ -3,9 +3,9 @@
 loss of PPO and GRPO on a linear head, without the N x V logits.
 
 One `jax.custom_vjp`: "speed" forms the gradients in the forward rule from one product per
-block of whole rows (`log_probs.forward_with_grads`, 6 N D V flops) and the backward rule
+block of whole rows (`log_probs_rule.forward_with_grads`, 6 N D V flops) and the backward rule
 scales them; "memory" and "chunked" keep the log-probabilities and entropy and recompute the
-logits in the backward rule (`log_probs.grads`).
+logits in the backward rule (`log_probs_rule.grads`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from interop.blocking import skipping_pays
 from interop.log_probs import LogProbsOptions
 from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
 from interop.tuning import Tuning
-from jax_impl.distill_blocked import DistillConfig
+from jax_impl.distill_rules import DistillConfig
 from jax_impl.functional import as_array, choose_strategy, platform_of
-from jax_impl.log_probs import checked_call, forward, forward_with_grads, grads, plan
+from jax_impl.log_probs import checked_call, plan
+from jax_impl.log_probs_rule import forward, forward_with_grads, grads
 from jax_impl.rows import compute_dtype, narrow_targets
 from jax_impl.sharding import on_mesh, with_rows_axes
 
@@ -37,7 +38,7 @@ def _terms(o: PolicyLossOptions, cfg: DistillConfig, y, logp, entropy, tokens: d
 @dataclasses.dataclass(frozen=True)
 class _Upstream:
     """The upstream gradients of a block's log-probabilities and entropy, from its rows'
-    targets and per-token arrays (named by keys): `log_probs.forward_with_grads`' upstream."""
+    targets and per-token arrays (named by keys): `log_probs_rule.forward_with_grads`' upstream."""
 
     o: PolicyLossOptions
     cfg: DistillConfig
@@ -60,7 +61,7 @@ def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLo
     """The loss (0-d, fp32; fp64 for fp64 inputs) over flattened rows x [N, D], int32 targets
     y [N] and the per-token arrays (a dict of [N] in the compute dtype; absent keys are None);
     skip: compute only the rows not ignored; axis: the shard_map axis of a head split over
-    the vocabulary (`log_probs.forward`), or None."""
+    the vocabulary (`log_probs_rule.forward`), or None."""
     logp, entropy, _, _ = forward(x_ND, W, b_V, y_N, cfg, _keep(cfg, skip, y_N), axis)
     return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum()
 

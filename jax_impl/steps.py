@@ -1,7 +1,8 @@
 """The block steps of every JAX loss, twice: on the Pallas kernels (`KernelOps`) and in
 jax.numpy (`XlaOps`, the fallback: fp32 logits, fp64 for fp64 inputs). `jax_impl.blocked`
-(cross-entropy, the vocabulary split) and `jax_impl.distill_blocked` drive either, as
-`torch_impl.steps` serves PyTorch's.
+(cross-entropy, the vocabulary split) and the rules of the block engine (`jax_impl.engine`:
+`jax_impl.distill_rules`, `jax_impl.log_probs_rule`) call either, as `torch_impl.steps`
+serves PyTorch's.
 
 Each step takes one logits block z [R, C] (columns v0..v0+C, no bias) and per-row vectors;
 "stats" return the running (m, l of scale * s, s at the target, ws) with the block merged in,

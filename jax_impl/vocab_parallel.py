@@ -7,7 +7,7 @@ same rows x and global targets. As in `torch_impl.vocab_parallel`, each device r
 classes to per-row statistics, the devices combine them (`global_lse`: a pmax and psums of a
 few floats per row, never logits), and each device's dz gives its slice of grad_weight and
 grad_bias and, summed over the axis, the full grad_input (`summed_grad_input`). The losses'
-loops (`jax_impl.blocked`, `jax_impl.distill_blocked`, `jax_impl.log_probs`) take the axis.
+loops (`jax_impl.blocked`, and `jax_impl.engine` for the other losses) take the axis.
 """
 
 from __future__ import annotations

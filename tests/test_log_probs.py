@@ -295,7 +295,7 @@ def test_jax_memory_blocks_are_sized_for_xla():
     from interop import blocking
     from interop.log_probs import LogProbsOptions
     from interop.tuning import DEFAULT
-    from jax_impl.distill_blocked import plan_distillation
+    from jax_impl.distill_rules import plan_distillation
     from jax_impl.log_probs import plan
 
     o = LogProbsOptions()

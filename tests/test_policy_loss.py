@@ -203,9 +203,9 @@ def test_only_the_tokens_not_ignored_are_computed(framework, strategy, case, mon
         original = rows.row_loop
         monkeypatch.setattr(rows, "row_loop", lambda *a, **k: kept.append(k.get("keep", a[5] if len(a) > 5 else None))
                             or original(*a, **k))
-        import jax_impl.log_probs
+        import jax_impl.engine
 
-        monkeypatch.setattr(jax_impl.log_probs, "row_loop", rows.row_loop)
+        monkeypatch.setattr(jax_impl.engine, "row_loop", rows.row_loop)
         got = run_jax(p, options, tokens, strategy, tuning=SKIP_IGNORED)
         assert kept and all(k is not None for k in kept), kept
     check(got, _reference(p, options, tokens), "float32", p.logit_scale, f"{framework}, {strategy}")

@@ -1,11 +1,12 @@
-"""The distillation losses over blocks of logits (interop/SPEC-DISTILLATION.md) for JAX: the
-blocks and strategies of `jax_impl.blocked`, the block steps of `jax_impl.steps`
-(Pallas kernels, or jax.numpy for the fallback), inside a `jax.custom_vjp`.
+"""The distillation losses (interop/SPEC-DISTILLATION.md) as rules of the block engine
+(`jax_impl.engine`), with the block steps of `jax_impl.steps` (Pallas kernels, or jax.numpy
+for the fallback), inside a `jax.custom_vjp`.
 
-As in `torch_impl.distill_blocked`: the top-K loss gathers s at the teacher ids from the
+As in `torch_impl.distill_rules`: the top-K loss gathers s at the teacher ids from the
 blocks and writes the exact dz there over the grad kernel's dense term; the dense loss
-blocks the teacher's logits like the student's. Whole-row blocks with a reduced loss form
-the gradients in the forward rule; otherwise the backward rule recomputes the blocks.
+blocks the teacher's logits like the student's (statistics of both in a first sweep, the
+divergence's row sums in a second). Whole-row blocks with a reduced loss form the gradients
+in the forward rule; otherwise the backward rule recomputes the blocks.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import jax.numpy as jnp
 from interop.blocking import block_shape, chunk_rows
 from interop.distillation import DenseDistillationOptions
 from interop.tuning import Tuning
-from jax_impl import partitioned
+from jax_impl import engine, partitioned
 from jax_impl.blocked import Head
 from jax_impl.partitioned import Axes, Layout
 from jax_impl.steps import steps_of
 from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, global_denominator, put_entries,
                                    reduce_rows, row_weights, topk_row_terms)
-from jax_impl.rows import compute_dtype, row_loop
-from jax_impl.vocab_parallel import global_lse, local_columns, summed_grad_input
+from jax_impl.rows import compute_dtype
+from jax_impl.vocab_parallel import global_lse, local_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +95,6 @@ def _running(R: int, dtype):
     return jnp.full((R,), -jnp.inf, dtype), zeros, zeros, zeros
 
 
-def _grad_buffers(cfg: DistillConfig, W, bias: bool):
-    acc = cfg.accumulate_dtype(W.dtype)
-    db = jnp.zeros((W.shape[0] if cfg.weight_layout == "VD" else W.shape[1],), compute_dtype(W.dtype)) if bias else None
-    return jnp.zeros(W.shape, acc), db
-
-
-def _final(g, like):
-    return None if g is None else g.astype(like.dtype)
-
-
 # ----------------------------------------------------------------------------- top-K teacher
 
 
@@ -111,84 +102,80 @@ def _teacher_rows(t: TopKTeacher):
     return (t.ids, t.P, t.logP, t.entry, t.slot, t.bad)
 
 
+class _TopKRule(engine.Rule):
+    """Top-K distillation's per-row math. A row block's operands: x, y (-1: no target), r
+    (the rows' upstream weights), the teacher's `_teacher_rows`, then in the backward pass
+    what the forward pass saved (lse_T, lse_1, s_y, s_ids). axis: the shard_map axis of a
+    head split over the vocabulary (teacher ids and y global, read as its columns)."""
+
+    def __init__(self, cfg: DistillConfig, b_V, wide, axis: str | None):
+        self.cfg, self.o, self.ops, self.b, self.wide, self.axis = cfg, cfg.options, cfg.ops, b_V, wide, axis
+        self.two = self.o.weight_hard > 0 and self.o.temperature != 1.0
+
+    def _cols(self, xs):
+        """The block's targets and teacher ids as this device's columns."""
+        return local_columns(xs[1], self.cfg.vocab, self.axis), local_columns(xs[3], self.cfg.vocab, self.axis)
+
+    def init(self, xs):
+        R, K = xs[3].shape
+        return _running(R, self.wide), _running(R, self.wide), jnp.zeros((R, K), self.wide)
+
+    def stats(self, z, v0, xs, c, sweep):
+        (y, ids), o, (st, st1, s_ids) = self._cols(xs), self.o, c
+        st = self.ops.stats(z, v0, self.b, y, st, o.softcap, 1.0 / o.temperature)
+        st1 = self.ops.stats(z, v0, self.b, y, st1, o.softcap, 1.0) if self.two else st1
+        return st, st1, s_ids + gather_entries(z, v0, ids, self.b, o.softcap, self.wide)
+
+    def done(self, xs, c, sweep):
+        """(lse_T, lse_1, s_y, s_ids), over every device's classes: a pmax and psums of a few
+        numbers per row."""
+        (m, l, sy, _), (m1, l1, _, _), s_ids = c
+        lse_T = m + jnp.log(l)
+        lse_1 = m1 + jnp.log(l1) if self.two else lse_T
+        if self.axis is not None:
+            lse_T, sy, s_ids = global_lse(lse_T, self.axis), *jax.lax.psum((sy, s_ids), self.axis)
+            lse_1 = global_lse(lse_1, self.axis) if self.two else lse_T
+        return lse_T, lse_1, sy, s_ids
+
+    def _terms(self, xs, st):
+        lse_T, lse_1, sy, s_ids = st
+        _, _, _, _, P, logP, entry, _, bad = xs[:9]
+        return topk_row_terms(s_ids, lse_T, lse_1, sy, P, logP, entry, bad, self.o)
+
+    def outputs(self, xs, st):
+        return (self._terms(xs, st)[0],) + tuple(st)
+
+    def coefficients(self, xs, st):
+        st = tuple(xs[9:]) if st is None else st
+        (y, ids), (_, A, C) = self._cols(xs), self._terms(xs, st)
+        lse_T, lse_1, _, s_ids = st
+        return lse_T, TopKGradRows.build(xs[2], A, C, s_ids, lse_T, lse_1, ids, xs[7], y, self.o)
+
+    def grad(self, z, v0, xs, coef):
+        (y, ids), (lse_T, g), o = self._cols(xs), coef, self.o
+        dz = self.ops.grad(z, v0, self.b, y, o.softcap, 1.0 / o.temperature, lse_T, g.p1, g.ty, g.second)
+        return put_entries(dz, v0, ids, g.at_ids)
+
+
 def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig, with_grads: bool,
                   axis: str | None = None):
     """(loss, saved = (lse_T, lse_1, s_y, s_ids) per row, grads (dx, dW, db) for an upstream
-    gradient of 1 or None). axis: the shard_map axis of a head split over the vocabulary
-    (W, b this device's classes; teacher ids and y global, read as its columns): each row
-    block's statistics are combined over it before its row terms, and grad_input is summed
-    over it."""
-    o, ops, head = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V)
-    n, wide, K = x_ND.shape[0], compute_dtype(x_ND.dtype), teacher.ids.shape[1]
-    two = o.weight_hard > 0 and o.temperature != 1.0
-    inv_t = 1.0 / o.temperature
-
-    def stats(z, v0, x_R, y_R, ids_R, c):
-        st, st1, s_ids = c
-        st = ops.stats(z, v0, b_V, y_R, st, o.softcap, inv_t)
-        st1 = ops.stats(z, v0, b_V, y_R, st1, o.softcap, 1.0) if two else st1
-        return st, st1, s_ids + gather_entries(z, v0, ids_R, b_V, o.softcap, wide)
-
-    def row_step(carry, xs):
-        x_R, y_R, r_R, ids_R, P_R, logP_R, entry_R, slot_R, bad_R = xs
-        y_R, ids_R = local_columns(y_R, cfg.vocab, axis), local_columns(ids_R, cfg.vocab, axis)
-        R = x_R.shape[0]
-        init = (_running(R, wide), _running(R, wide), jnp.zeros((R, K), wide))
-        if with_grads:
-            z = head.logits(x_R, W)
-            (m, l, sy, _), (m1, l1, _, _), s_ids = stats(z, 0, x_R, y_R, ids_R, init)
-        else:
-            body = lambda v0, cols, c: stats(head.logits(x_R, head.head_cols(v0, cols)), v0, x_R, y_R, ids_R, c)
-            (m, l, sy, _), (m1, l1, _, _), s_ids = head.col_loop(body, init)
-        lse_T = m + jnp.log(l)
-        lse_1 = m1 + jnp.log(l1) if two else lse_T
-        if axis is not None:  # every device's classes: a pmax and psums of a few numbers per row
-            lse_T, sy, s_ids = global_lse(lse_T, axis), *jax.lax.psum((sy, s_ids), axis)
-            lse_1 = global_lse(lse_1, axis) if two else lse_T
-        loss_R, A, C = topk_row_terms(s_ids, lse_T, lse_1, sy, P_R, logP_R, entry_R, bad_R, o)
-        outs = (loss_R, lse_T, lse_1, sy, s_ids)
-        if not with_grads:
-            return carry, outs
-        g = TopKGradRows.build(r_R, A, C, s_ids, lse_T, lse_1, ids_R, slot_R, y_R, o)
-        dz = ops.grad(z, 0, b_V, y_R, o.softcap, inv_t, lse_T, g.p1, g.ty, g.second)
-        dz = put_entries(dz, 0, ids_R, g.at_ids)
-        dW, db, dx_R = head.add_shares(dz, x_R, 0, cfg.vocab, *carry, jnp.zeros(x_R.shape, wide))
-        return (dW, db), outs + (dx_R if axis is not None else dx_R.astype(x_R.dtype),)
-
+    gradient of 1 or None). axis: as for `_TopKRule` (grad_input summed over it)."""
+    o, wide = cfg.options, compute_dtype(x_ND.dtype)
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
-    per_row = (x_ND, y_N, r_N) + _teacher_rows(teacher)
-    carry = _grad_buffers(cfg, W, b_V is not None) if with_grads else None
-    carry, outs = row_loop(row_step, carry, per_row, n, cfg.block_rows)
-    loss = reduce_rows(outs[0], valid_N, o.reduction, num_items)
-    if not with_grads:
-        return loss, outs[1:5], None
-    dW, db = carry
-    return loss, outs[1:5], (summed_grad_input(outs[5], x_ND, axis), _final(dW, W), _final(db, b_V))
+    outs, grads = engine.forward(_TopKRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V),
+                                 (x_ND, y_N, r_N) + _teacher_rows(teacher), cfg.block_rows, with_grads,
+                                 cfg.accumulate_dtype(W.dtype), axis=axis)
+    return reduce_rows(outs[0], valid_N, o.reduction, num_items), outs[1:5], grads
 
 
 def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, saved, cfg: DistillConfig,
                    axis: str | None = None):
-    o, ops, head = cfg.options, cfg.ops, cfg.head(x_ND, W, b_V)
-    n, wide = x_ND.shape[0], compute_dtype(x_ND.dtype)
-
-    def row_step(carry, xs):
-        x_R, y_R, r_R, lse_T, lse_1, s_y, s_ids, ids_R, P_R, logP_R, entry_R, slot_R, bad_R = xs
-        y_R, ids_R = local_columns(y_R, cfg.vocab, axis), local_columns(ids_R, cfg.vocab, axis)
-        _, A, C = topk_row_terms(s_ids, lse_T, lse_1, s_y, P_R, logP_R, entry_R, bad_R, o)
-        g = TopKGradRows.build(r_R, A, C, s_ids, lse_T, lse_1, ids_R, slot_R, y_R, o)
-
-        def body(v0, cols, c):
-            dz = ops.grad(head.logits(x_R, head.head_cols(v0, cols)), v0, b_V, y_R, o.softcap, 1.0 / o.temperature,
-                          lse_T, g.p1, g.ty, g.second)
-            return head.add_shares(put_entries(dz, v0, ids_R, g.at_ids), x_R, v0, cols, *c)
-
-        dW, db, dx_R = head.col_loop(body, carry + (jnp.zeros(x_R.shape, wide),))
-        return (dW, db), (dx_R if axis is not None else dx_R.astype(x_R.dtype),)
-
-    r_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide)
-    per_row = (x_ND, y_N, r_N) + tuple(saved) + _teacher_rows(teacher)
-    (dW, db), (dx,) = row_loop(row_step, _grad_buffers(cfg, W, b_V is not None), per_row, n, cfg.block_rows)
-    return summed_grad_input(dx, x_ND, axis), _final(dW, W), _final(db, b_V)
+    wide = compute_dtype(x_ND.dtype)
+    r_N = row_weights(valid_N, cfg.options.reduction, g_loss, num_items, wide)
+    per_row = (x_ND, y_N, r_N) + _teacher_rows(teacher) + tuple(saved)
+    return engine.backward(_TopKRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V), per_row, cfg.block_rows,
+                           cfg.accumulate_dtype(W.dtype), axis=axis)
 
 
 def _topk_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
@@ -270,82 +257,85 @@ topk_distillation.defvjp(_topk_fwd, _topk_bwd)
 # ----------------------------------------------------------------------------- dense teacher
 
 
-def _divergence(a, b, o):
-    if o.divergence == "forward_kl":
-        return a
-    if o.divergence == "reverse_kl":
-        return b
-    return o.beta * a + (1 - o.beta) * b
+class _DenseRule(engine.Rule):
+    """Dense distillation's per-row math. A row block's operands: x, the teacher's xt, r (the
+    rows' upstream weights); in the backward pass the coefficient r scale / T and what the
+    forward pass saved (lse_s, lse_t, kl_q) instead of r. axis: the shard_map axis over
+    which both heads are split alike (each device the same slice of classes of each)."""
+
+    sweeps = 2
+
+    def __init__(self, cfg: DistillConfig, teacher: Head, wide, axis: str | None):
+        self.o, self.ops, self.teacher, self.wide, self.axis = cfg.options, cfg.ops, teacher, wide, axis
+
+    def _t(self, z, v0, xs):
+        return self.teacher.col_logits(xs[1], v0, z.shape[1])
+
+    def init(self, xs):
+        R = xs[0].shape[0]
+        return _running(R, self.wide), _running(R, self.wide)
+
+    def stats(self, z, v0, xs, c, sweep):
+        t, inv_t = self._t(z, v0, xs), 1.0 / self.o.temperature
+        if sweep == 0:
+            no_y = jnp.full((z.shape[0],), -1, jnp.int32)
+            return self.ops.stats(z, v0, None, no_y, c[0], None, inv_t), self.ops.stats(t, v0, None, no_y, c[1], None, inv_t)
+        lse_s, lse_t, ab = c
+        return lse_s, lse_t, self.ops.pair_sums(z, t, lse_s, lse_t, ab, self.o)
+
+    def done(self, xs, c, sweep):
+        """After the statistics: (lse_s, lse_t, the divergence's row sums (0, 0)); after the
+        sums: (lse_s, lse_t, a, b); each over every device's classes."""
+        if sweep == 0:
+            (ms, ls, _, _), (mt, lt, _, _) = c
+            lse_s, lse_t = ms + jnp.log(ls), mt + jnp.log(lt)
+            if self.axis is not None:
+                lse_s, lse_t = global_lse(lse_s, self.axis), global_lse(lse_t, self.axis)
+            zeros = jnp.zeros(lse_s.shape, self.wide)
+            return lse_s, lse_t, (zeros, zeros)
+        lse_s, lse_t, (a, b) = c
+        return lse_s, lse_t, *(jax.lax.psum((a, b), self.axis) if self.axis is not None else (a, b))
+
+    def outputs(self, xs, st):
+        lse_s, lse_t, a, b = st
+        o = self.o
+        divergence = a if o.divergence == "forward_kl" else b if o.divergence == "reverse_kl" else o.beta * a + (1 - o.beta) * b
+        return o.scale * divergence, lse_s, lse_t, b
+
+    def coefficients(self, xs, st):
+        if st is None:  # the backward pass: (coefficient, lse_s, lse_t, kl_q) given by rows
+            return xs[3], xs[4], xs[5], xs[2]
+        lse_s, lse_t, _, b = st
+        return lse_s, lse_t, b, xs[2] * (self.o.scale / self.o.temperature)
+
+    def grad(self, z, v0, xs, coef):
+        lse_s, lse_t, kl_q, c = coef
+        return self.ops.pair_grad(z, self._t(z, v0, xs), lse_s, lse_t, kl_q, c, self.o)
+
+
+def _dense_rule(cfg: DistillConfig, x_ND, W, xt_ND, Wt, axis):
+    wide = compute_dtype(x_ND.dtype)
+    return _DenseRule(cfg, cfg.head(xt_ND, Wt), wide, axis), cfg.head(x_ND, W), wide
 
 
 def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, with_grads: bool,
                    axis: str | None = None):
-    """(loss, saved = (lse_s, lse_t, b) per row, grads (dx, dW) for an upstream gradient of 1 or None).
-    axis: the shard_map axis over which both heads are split alike (each device the same
-    slice of classes of each): each row block's lse of both heads and the divergence's row
-    sums are combined over it before its row terms, and grad_input is summed over it."""
-    o, ops = cfg.options, cfg.ops
-    student, teacher = cfg.head(x_ND, W), cfg.head(xt_ND, Wt)
-    n, wide, inv_t = x_ND.shape[0], compute_dtype(x_ND.dtype), 1.0 / cfg.options.temperature
-
-    def row_step(carry, xs):
-        x_R, xt_R, r_R = xs
-        R = x_R.shape[0]
-        no_y = jnp.full((R,), -1, jnp.int32)
-        pair = lambda v0, cols: (student.logits(x_R, student.head_cols(v0, cols)),
-                                 teacher.logits(xt_R, teacher.head_cols(v0, cols)))
-
-        def stats(v0, cols, c):
-            s, t = pair(v0, cols)
-            return ops.stats(s, v0, None, no_y, c[0], None, inv_t), ops.stats(t, v0, None, no_y, c[1], None, inv_t)
-
-        (ms, ls, _, _), (mt, lt, _, _) = student.col_loop(stats, (_running(R, wide), _running(R, wide)))
-        lse_s, lse_t = ms + jnp.log(ls), mt + jnp.log(lt)
-        if axis is not None:
-            lse_s, lse_t = global_lse(lse_s, axis), global_lse(lse_t, axis)
-        sums = lambda v0, cols, c: ops.pair_sums(*pair(v0, cols), lse_s, lse_t, c, o)
-        a, b = student.col_loop(sums, (jnp.zeros((R,), wide), jnp.zeros((R,), wide)))
-        if axis is not None:
-            a, b = jax.lax.psum((a, b), axis)
-        outs = (o.scale * _divergence(a, b, o), lse_s, lse_t, b)
-        if not with_grads:
-            return carry, outs
-        dz = ops.pair_grad(*pair(0, cfg.vocab), lse_s, lse_t, b, r_R * (o.scale * inv_t), o)
-        dW, _, dx_R = student.add_shares(dz, x_R, 0, cfg.vocab, carry, None, jnp.zeros(x_R.shape, wide))
-        return dW, outs + (dx_R if axis is not None else dx_R.astype(x_R.dtype),)
-
-    r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
-    carry = _grad_buffers(cfg, W, False)[0] if with_grads else None
-    carry, outs = row_loop(row_step, carry, (x_ND, xt_ND, r_N), n, cfg.block_rows)
-    loss = reduce_rows(outs[0], valid_N, o.reduction, num_items)
-    if not with_grads:
-        return loss, outs[1:4], None
-    return loss, outs[1:4], (summed_grad_input(outs[4], x_ND, axis), _final(carry, W))
+    """(loss, saved = (lse_s, lse_t, b) per row, grads (dx, dW) for an upstream gradient of 1
+    or None). axis: as for `_DenseRule` (grad_input summed over it)."""
+    rule, student, wide = _dense_rule(cfg, x_ND, W, xt_ND, Wt, axis)
+    r_N = row_weights(valid_N, cfg.options.reduction, 1.0, num_items, wide)
+    outs, grads = engine.forward(rule, student, (x_ND, xt_ND, r_N), cfg.block_rows, with_grads,
+                                 cfg.accumulate_dtype(W.dtype), axis=axis)
+    return reduce_rows(outs[0], valid_N, cfg.options.reduction, num_items), outs[1:4], grads and grads[:2]
 
 
 def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: DistillConfig,
                     axis: str | None = None):
-    o, ops = cfg.options, cfg.ops
-    student, teacher = cfg.head(x_ND, W), cfg.head(xt_ND, Wt)
-    n, wide = x_ND.shape[0], compute_dtype(x_ND.dtype)
-
-    def row_step(dW, xs):
-        x_R, xt_R, coef_R, lse_s, lse_t, kl_q = xs
-
-        def body(v0, cols, c):
-            s = student.logits(x_R, student.head_cols(v0, cols))
-            t = teacher.logits(xt_R, teacher.head_cols(v0, cols))
-            dz = ops.pair_grad(s, t, lse_s, lse_t, kl_q, coef_R, o)
-            dW, _, dx = student.add_shares(dz, x_R, v0, cols, c[0], None, c[1])
-            return dW, dx
-
-        dW, dx_R = student.col_loop(body, (dW, jnp.zeros(x_R.shape, wide)))
-        return dW, (dx_R if axis is not None else dx_R.astype(x_R.dtype),)
-
+    rule, student, wide = _dense_rule(cfg, x_ND, W, xt_ND, Wt, axis)
+    o = cfg.options
     coef_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide) * (o.scale / o.temperature)
-    per_row = (x_ND, xt_ND, coef_N) + tuple(saved)
-    dW, (dx,) = row_loop(row_step, _grad_buffers(cfg, W, False)[0], per_row, n, cfg.block_rows)
-    return summed_grad_input(dx, x_ND, axis), _final(dW, W)
+    return engine.backward(rule, student, (x_ND, xt_ND, coef_N) + tuple(saved), cfg.block_rows,
+                           cfg.accumulate_dtype(W.dtype), axis=axis)[:2]
 
 
 def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:

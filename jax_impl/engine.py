@@ -1,0 +1,127 @@
+"""The block loop of the losses driven by block steps (JAX): each loss is a `Rule` (its
+per-row math, functional) that `forward` and `backward` trace into one row loop
+(`jax_impl.rows.row_loop`) over column loops (`jax_impl.blocked.Head.col_loop`).
+
+A rule works on a row block's per-row operands `xs` (a tuple of [R, ...] arrays whose first
+is x's rows; which others is the rule's), and on logits blocks z [R, C] (no bias):
+
+- forward: `init` gives the running statistics, `stats` merges each column block into them,
+  `sweeps` times (a dense teacher's divergence needs lse first: two sweeps), `done` combines
+  them over a split head's axis after each sweep, `outputs` gives the row block's per-row
+  outputs. With `with_grads` (blocks of whole rows), `coefficients` and `grad` turn the same
+  logits into dz, whose products give the gradients for an upstream gradient of 1: 6 N D V
+  flops.
+- backward: `coefficients` from the saved per-row values and upstream gradients in xs, then
+  `grad` on each recomputed block: 8 N D V flops in all.
+
+The loop owns the rest once for every loss: grad_weight (and the bias') accumulators, the
+row block's fp32 grad_input summed over column blocks, the rows computed (`keep`), and a
+head split over the vocabulary along a shard_map axis (grad_input summed over it).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_impl.blocked import Head
+from jax_impl.rows import compute_dtype, row_loop
+from jax_impl.vocab_parallel import summed_grad_input
+
+
+class Rule:
+    """A loss's per-row math (the defaults: one sweep)."""
+
+    sweeps = 1
+
+    def init(self, xs):
+        """The running statistics of a row block before any column."""
+        raise NotImplementedError
+
+    def stats(self, z, v0, xs, state, sweep: int):
+        """state with logits block z [R, C] (columns v0..v0+C) merged in."""
+        raise NotImplementedError
+
+    def done(self, xs, state, sweep: int):
+        """state once a sweep saw every column (combined over the split's axis)."""
+        return state
+
+    def outputs(self, xs, state) -> tuple:
+        """The row block's per-row outputs ([R, ...] each)."""
+        raise NotImplementedError
+
+    def coefficients(self, xs, state):
+        """dz's per-row coefficients (state: the forward pass's, or None in the backward)."""
+        raise NotImplementedError
+
+    def grad(self, z, v0, xs, coef):
+        """dz of logits block z."""
+        raise NotImplementedError
+
+
+def _buffers(head: Head, accumulate_dtype, bias: bool):
+    W, wide = head.W, compute_dtype(head.x.dtype)
+    return jnp.zeros(W.shape, accumulate_dtype), jnp.zeros((head.W.shape[0 if head.vd else 1],), wide) if bias else None
+
+
+def _grads(head: Head, dx, carry, axis):
+    dW, db = carry
+    return (summed_grad_input(dx, head.x, axis), dW.astype(head.W.dtype),
+            None if db is None else db.astype(head.b.dtype))
+
+
+def _dx_rows(dx_R, x_R, axis):
+    """A row block's grad_input: fp32 on a split head (summed over the axis first)."""
+    return dx_R if axis is not None else dx_R.astype(x_R.dtype)
+
+
+def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads: bool = False, accumulate_dtype=None,
+            keep=None, axis: str | None = None):
+    """(outputs, grads): the rule's per-row outputs over all rows ([N, ...] each; rows not
+    in `keep` (bool [N]) get zeros), and with `with_grads` (dx, dW, db) for an upstream
+    gradient of 1 (grad_weight accumulated in accumulate_dtype), else None. per_row: [N,
+    ...] arrays, x first; axis: a split head's shard_map axis."""
+    wide = compute_dtype(head.x.dtype)
+
+    def row_step(carry, xs):
+        x_R, state = xs[0], rule.init(xs)
+        for sweep in range(rule.sweeps):
+            if with_grads:  # whole rows: one block, kept for every sweep and dz
+                z = head.col_logits(x_R, 0, head.vocab)
+                state = rule.stats(z, 0, xs, state, sweep)
+            else:
+                body = lambda v0, cols, st: rule.stats(head.col_logits(x_R, v0, cols), v0, xs, st, sweep)
+                state = head.col_loop(body, state)
+            state = rule.done(xs, state, sweep)
+        outs = rule.outputs(xs, state)
+        if not with_grads:
+            return carry, outs
+        dz = rule.grad(z, 0, xs, rule.coefficients(xs, state))
+        dW, db, dx_R = head.add_shares(dz, x_R, 0, head.vocab, *carry, jnp.zeros(x_R.shape, wide))
+        return (dW, db), outs + (_dx_rows(dx_R, x_R, axis),)
+
+    carry = _buffers(head, accumulate_dtype, head.b is not None) if with_grads else ()
+    carry, outs = row_loop(row_step, carry, per_row, head.x.shape[0], block_rows, keep)
+    if not with_grads:
+        return outs, None
+    return outs[:-1], _grads(head, outs[-1], carry, axis)
+
+
+def backward(rule: Rule, head: Head, per_row: tuple, block_rows: int, accumulate_dtype, keep=None,
+             axis: str | None = None):
+    """(dx, dW, db) recomputing the logits block by block; per_row as for `forward`, with
+    the saved values and upstream gradients the rule's coefficients read."""
+    wide = compute_dtype(head.x.dtype)
+
+    def row_step(carry, xs):
+        x_R, coef = xs[0], rule.coefficients(xs, None)
+
+        def body(v0, cols, c):
+            dz = rule.grad(head.col_logits(x_R, v0, cols), v0, xs, coef)
+            return head.add_shares(dz, x_R, v0, cols, *c)
+
+        dW, db, dx_R = head.col_loop(body, carry + (jnp.zeros(x_R.shape, wide),))
+        return (dW, db), (_dx_rows(dx_R, x_R, axis),)
+
+    carry, (dx,) = row_loop(row_step, _buffers(head, accumulate_dtype, head.b is not None), per_row, head.x.shape[0],
+                            block_rows, keep)
+    return _grads(head, dx, carry, axis)
