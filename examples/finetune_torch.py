@@ -5,7 +5,7 @@
 (from a checkout: ``pip install -e ".[torch]" transformers`` first, or run with
 ``PYTHONPATH=.``). Runs on a CUDA GPU when torch has one, else the CPU. The model, a
 randomly initialised two-layer ``LlamaForCausalLM`` (nothing is downloaded), is patched
-with `torch_impl.transformers.patch_causal_lm`: in train mode with ``labels`` its forward
+with `logitless.torch.patch_causal_lm`: in train mode with ``labels`` its forward
 returns the loss of Hugging Face's shifted next-token cross-entropy with ``logits=None``.
 It learns one batch of random tokens (the first 8 positions of each row ignored, as a
 prompt would be), the same batch at every step, so the printed loss falls.
@@ -18,7 +18,7 @@ import argparse
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from torch_impl.transformers import patch_causal_lm
+from logitless.torch import patch_causal_lm
 
 VOCAB, DIM, BATCH, SEQ, PROMPT = 4099, 64, 8, 64, 8
 

@@ -3,9 +3,9 @@
     python examples/rl_losses_jax.py
 
 The twin of examples/rl_losses_torch.py: the policy's per-token log-probabilities and
-entropy from `jax_impl.linear_log_probs`, fused with the head ([V, D] here; pass
+entropy from `logitless.jax.linear_log_probs`, fused with the head ([V, D] here; pass
 weight_layout="DV" for an nnx.Linear kernel), then per-token formulas; GRPO also as one
-call, `jax_impl.linear_policy_loss` (`grpo_in_one_call`). As a script it
+call, `logitless.jax.linear_policy_loss` (`grpo_in_one_call`). As a script it
 computes both losses and their gradients twice, fused and from materialised logits, and
 prints the largest differences.
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import jax_impl
+import logitless.jax as lj
 
 
 def policy_log_probs(hidden, head, ids, mask, temperature=1.0):
     """(log p(ids) [B, T], entropy [B, T]) at `temperature`, fused; 0 log-probability outside mask."""
-    return jax_impl.linear_log_probs(hidden, head, jnp.where(mask, ids, -100), temperature=temperature,
-                                     return_entropy=True)
+    return lj.linear_log_probs(hidden, head, jnp.where(mask, ids, -100), temperature=temperature,
+                               return_entropy=True)
 
 
 def naive_policy_log_probs(hidden, head, ids, mask, temperature=1.0):
@@ -66,9 +66,9 @@ def grpo_in_one_call(hidden, head, batch):
     mean over each sequence and then over sequences; the gradients formed in the forward pass."""
     ids, mask, old, ref, adv = batch
     weight = mask / jnp.maximum(mask.sum(1, keepdims=True), 1) / ids.shape[0]
-    return jax_impl.linear_policy_loss(hidden, head, jnp.where(mask, ids, -100), adv[:, None], old_log_probs=old,
-                                       ref_log_probs=ref, token_weight=weight, beta=0.04, entropy_coef=0.01,
-                                       temperature=0.9)
+    return lj.linear_policy_loss(hidden, head, jnp.where(mask, ids, -100), adv[:, None], old_log_probs=old,
+                                 ref_log_probs=ref, token_weight=weight, beta=0.04, entropy_coef=0.01,
+                                 temperature=0.9)
 
 
 def differences(seed: int = 0, B: int = 4, T: int = 16, D: int = 32, V: int = 1000) -> dict:

@@ -3,8 +3,8 @@
     python examples/rl_losses_torch.py
 
 The policy's per-token log-probabilities (and entropy, for GRPO's bonus) come from
-`torch_impl.linear_log_probs`, fused with the head; the losses themselves are per-token
-formulas. GRPO's loss is also one call (`grpo_in_one_call`: `torch_impl.linear_policy_loss`),
+`logitless.torch.linear_log_probs`, fused with the head; the losses themselves are per-token
+formulas. GRPO's loss is also one call (`grpo_in_one_call`: `logitless.torch.linear_policy_loss`),
 which forms the gradients in the forward pass (a quarter fewer flops than recomputing the logits). Shapes: hidden [B, T, D] at the positions that predict the completion's tokens,
 head [V, D], completion ids and mask [B, T]. As a script it computes both losses and their
 gradients twice, fused and from materialised logits, and prints the largest differences.
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-import torch_impl
+import logitless.torch as lt
 
 
 def policy_log_probs(hidden, head, ids, mask, temperature=1.0):
     """(log p(ids) [B, T], entropy [B, T]) at `temperature`, fused; 0 log-probability outside mask."""
-    return torch_impl.linear_log_probs(hidden, head, ids.masked_fill(~mask, -100), temperature=temperature,
-                                       return_entropy=True)
+    return lt.linear_log_probs(hidden, head, ids.masked_fill(~mask, -100), temperature=temperature,
+                               return_entropy=True)
 
 
 def naive_policy_log_probs(hidden, head, ids, mask, temperature=1.0):
@@ -68,9 +68,9 @@ def grpo_in_one_call(hidden, head, batch):
     mean over each sequence and then over sequences; the gradients formed in the forward pass."""
     ids, mask, old, ref, adv = batch
     weight = mask / mask.sum(1, keepdim=True).clamp(min=1) / ids.shape[0]
-    return torch_impl.linear_policy_loss(hidden, head, ids.masked_fill(~mask, -100), adv[:, None], old_log_probs=old,
-                                         ref_log_probs=ref, token_weight=weight, beta=0.04, entropy_coef=0.01,
-                                         temperature=0.9)
+    return lt.linear_policy_loss(hidden, head, ids.masked_fill(~mask, -100), adv[:, None], old_log_probs=old,
+                                 ref_log_probs=ref, token_weight=weight, beta=0.04, entropy_coef=0.01,
+                                 temperature=0.9)
 
 
 def differences(seed: int = 0, B: int = 4, T: int = 16, D: int = 32, V: int = 1000) -> dict:

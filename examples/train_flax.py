@@ -7,7 +7,7 @@ Runs on JAX's default device (a GPU when jax has one, else the CPU). The model, 
 embedding, two attention-free residual MLP blocks and an ``nnx.Linear`` head, learns to
 predict the next token of sequences that follow ``t -> (7 t + 3) mod V``; the same batch is
 used at every step, so the printed loss falls. The logits [B, T, V] are never built:
-`jax_impl.flax.fused_loss_from_head` takes the hidden states and the head module.
+`logitless.jax.fused_loss_from_head` takes the hidden states and the head module.
 Needs flax >= 0.12 (``nnx.List``, ``nnx.Optimizer(model, tx, wrt=...)``) and optax.
 """
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jax_impl.flax import fused_loss_from_head
+from logitless.jax import fused_loss_from_head
 
 VOCAB, DIM, BATCH, SEQ = 257, 64, 16, 32
 

@@ -20,7 +20,7 @@ import tempfile
 import torch
 import transformers
 
-from torch_impl.transformers import patch_causal_lm
+from logitless.torch import patch_causal_lm
 
 VOCAB, SEQ = 64, 16
 

@@ -57,7 +57,7 @@ def _int32_targets(target, vocab: int, ignore_index):
 
 
 def jax_loss_in_torch(input, linear_weight, target, *, linear_bias=None, weight=None, return_lse=False, **options):
-    """`jax_impl.linear_cross_entropy` on torch tensors; differentiable in torch with respect
+    """`logitless.jax.linear_cross_entropy` on torch tensors; differentiable in torch with respect
     to ``input``, ``linear_weight`` and ``linear_bias`` (see the module's docstring)."""
     import torch
 
@@ -120,7 +120,7 @@ def _host_array(t):
 
 
 def torch_loss_in_jax(input, linear_weight, target, *, linear_bias=None, weight=None, return_lse=False, **options):
-    """`torch_impl.linear_cross_entropy` on jax arrays; differentiable in JAX with respect to
+    """`logitless.torch.linear_cross_entropy` on jax arrays; differentiable in JAX with respect to
     ``input``, ``linear_weight`` and ``linear_bias`` (through host memory, see the module's
     docstring)."""
     import jax

@@ -60,7 +60,11 @@ def to_jax(tensor, *, copy: bool | None = False):
             copy.
     """
     import jax
+    import torch
 
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"to_jax: expected a torch.Tensor, got {type(tensor).__module__}.{type(tensor).__qualname__} "
+                        "(jax.numpy.asarray takes a numpy array)")
     if tensor.requires_grad:
         raise ValueError("to_jax: the tensor requires grad; gradients don't cross DLPack, pass tensor.detach()")
     _check_no_narrowing(tensor)
@@ -83,8 +87,12 @@ def to_jax(tensor, *, copy: bool | None = False):
 
 def to_torch(array):
     """The jax.Array's buffer as a torch tensor on the same device (no copy)."""
+    import jax
     import torch
 
+    if not isinstance(array, jax.Array):
+        raise TypeError(f"to_torch: expected a jax.Array, got {type(array).__module__}.{type(array).__qualname__} "
+                        "(torch.from_numpy takes a numpy array)")
     if array.is_deleted():
         raise ValueError("to_torch: the jax.Array was deleted (donated or freed)")
     if len(array.devices()) != 1:

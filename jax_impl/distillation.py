@@ -44,16 +44,16 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
                              tuning: Tuning | None = None, vocab_parallel: str | None = None):
     """Distillation from a top-K sparse teacher, fused with the student's head.
 
-    The arguments of `torch_impl.linear_topk_distillation` (interop/SPEC-DISTILLATION.md):
+    The arguments of `logitless.torch.linear_topk_distillation` (interop/SPEC-DISTILLATION.md):
     input [..., D], linear_weight [V, D] ("VD") or [D, V] ("DV", Flax nnx.Linear's kernel),
     teacher_ids [..., K] (< 0: padding), teacher_logprobs [..., K] (-inf: padding), optional
     target [...], linear_bias [V], row_mask [...] bool. Differentiable in input,
     linear_weight and linear_bias (`jax.custom_vjp`), usable under `jax.jit`, where a
     teacher id >= V (or, with weight_hard > 0, a target out of range) gives its row a NaN
     loss instead of the eager call's ValueError. Arrays, meshes and second derivatives as
-    for `jax_impl.linear_cross_entropy`. vocab_parallel: inside `jax.shard_map`, the mesh
+    for `logitless.jax.linear_cross_entropy`. vocab_parallel: inside `jax.shard_map`, the mesh
     axis over which the head is split by vocabulary (equal slices in the axis' order; teacher
-    ids, targets and inputs the same on every device), as for `jax_impl.linear_cross_entropy`.
+    ids, targets and inputs the same on every device), as for `logitless.jax.linear_cross_entropy`.
 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
@@ -116,7 +116,7 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
                         vocab_parallel: str | None = None):
     """Distillation from a dense teacher, both heads fused: no N x V buffer of either.
 
-    The arguments of `torch_impl.linear_distillation` (interop/SPEC-DISTILLATION.md):
+    The arguments of `logitless.torch.linear_distillation` (interop/SPEC-DISTILLATION.md):
     student input [..., D] and linear_weight, teacher_input [..., Dt] and teacher_weight
     (same layout; no gradient flows to them), divergence "forward_kl" | "reverse_kl" | "jsd"
     (beta), temperature; both distributions cover the first min(V, Vt) classes.

@@ -18,7 +18,7 @@ Flax NNX: pass the head module itself; its parameter is read in place, so
   [V, D] is used with ``weight_layout="VD"``; the table's gradient sums the lookup's and
   the head's shares.
 
-Flax Linen: the parameters are a plain dict, so call `jax_impl.linear_cross_entropy`
+Flax Linen: the parameters are a plain dict, so call `logitless.jax.linear_cross_entropy`
 directly with the Dense head's kernel [D, V] and ``weight_layout="DV"`` (for a tied head,
 ``params["embed"]["embedding"]`` [V, D] with the default ``"VD"``)::
 
@@ -93,13 +93,13 @@ def fused_loss_from_head(hidden, head, labels, **options):
         head: ``nnx.Linear(D, V)`` (kernel [D, V], optional bias [V]) or ``nnx.Embed(V, D)``
             (a tied head, embedding table [V, D]).
         labels: [...] integer class ids, ``ignore_index`` (-100) for rows that add nothing.
-        **options: any keyword of `jax_impl.linear_cross_entropy` (``reduction``,
+        **options: any keyword of `logitless.jax.linear_cross_entropy` (``reduction``,
             ``label_smoothing``, ``z_loss``, ``softcap``, ``weight``, ``return_lse``,
             ``strategy``, ...) except ``linear_bias`` and ``weight_layout``, which come from
             ``head``.
 
     Returns:
-        What `jax_impl.linear_cross_entropy` returns: the fp32 loss (a scalar, or [...] for
+        What `logitless.jax.linear_cross_entropy` returns: the fp32 loss (a scalar, or [...] for
         ``reduction="none"``), and with ``return_lse=True`` the tuple (loss, lse [...]).
 
     Raises:

@@ -138,7 +138,7 @@ def linear_cross_entropy(
 ):
     """Cross-entropy of ``input @ W.T + linear_bias`` without the N x V logits.
 
-    The same options, defaults and semantics as `torch_impl.linear_cross_entropy`
+    The same options, defaults and semantics as `logitless.torch.linear_cross_entropy`
     (interop/SPEC.md). Differentiable with `jax.grad` / `jax.value_and_grad` (a
     `jax.custom_vjp`; twice, e.g. `jax.hessian`, with strategy="chunked" only: the
     kernels' strategies raise NotImplementedError), usable under `jax.jit`, under a mesh

@@ -1,5 +1,5 @@
 """`linear_log_probs` for JAX, with the arguments, defaults and semantics of
-`torch_impl.linear_log_probs` (interop/SPEC.md, "Log-probabilities"): per-token log p(target)
+`logitless.torch.linear_log_probs` (interop/SPEC.md, "Log-probabilities"): per-token log p(target)
 at a temperature, the entropy and the argmax, without the N x V logits. The call's checks
 and plan; the work is the block engine's with `jax_impl.log_probs_rule`.
 """
@@ -63,15 +63,15 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
                      vocab_parallel: str | None = None):
     """Per-token log p(target) at a temperature, and on request the entropy and argmax.
 
-    The arguments of `torch_impl.linear_log_probs`: input [..., D], linear_weight [V, D]
+    The arguments of `logitless.torch.linear_log_probs`: input [..., D], linear_weight [V, D]
     ("VD") or [D, V] ("DV", Flax nnx.Linear's kernel), target [...] integer ids, optional
     linear_bias [V]; u = softcap(input @ W^T + b) / temperature. Differentiable in input,
     linear_weight and linear_bias (`jax.custom_vjp`); usable under `jax.jit`, where a
     target out of [0, V) that is not ignore_index gives a NaN log-probability instead of
-    the eager call's ValueError. strategy: as for `jax_impl.linear_cross_entropy`.
+    the eager call's ValueError. strategy: as for `logitless.jax.linear_cross_entropy`.
     vocab_parallel: inside `jax.shard_map`, the name of the mesh axis over which the head is
     split by vocabulary (equal slices in the axis' order, input and targets the same on
-    every device), as for `jax_impl.linear_cross_entropy`: the devices exchange a few
+    every device), as for `logitless.jax.linear_cross_entropy`: the devices exchange a few
     statistics per row, never logits; every output is global, grad_weight the device's
     slice, grad_input the full gradient (summed over the axis).
 

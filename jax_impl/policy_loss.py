@@ -1,5 +1,5 @@
 """`linear_policy_loss` for JAX, with the arguments, defaults and semantics of
-`torch_impl.linear_policy_loss` (interop/SPEC.md, "Policy loss"): the clipped policy-gradient
+`logitless.torch.linear_policy_loss` (interop/SPEC.md, "Policy loss"): the clipped policy-gradient
 loss of PPO and GRPO on a linear head, without the N x V logits.
 
 One `jax.custom_vjp`: "speed" forms the gradients in the forward rule from one product per
@@ -112,13 +112,13 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
                        strategy: str = "auto", accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None,
                        vocab_parallel: str | None = None):
     """The clipped policy-gradient loss (PPO, GRPO): the arguments and formula of
-    `torch_impl.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
+    `logitless.torch.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
     "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs and token_weight
     broadcast to the target's shape; the default token_weight averages the call's tokens:
     inside shard_map, each shard's). Differentiable in input, linear_weight and linear_bias
     (`jax.custom_vjp`; the per-token arrays get zero cotangents); usable under `jax.jit`,
     where a target out of [0, V) that is not ignore_index gives a NaN loss instead of the
-    eager call's ValueError. vocab_parallel: as for `jax_impl.linear_log_probs` (inside
+    eager call's ValueError. vocab_parallel: as for `logitless.jax.linear_log_probs` (inside
     shard_map, the mesh axis splitting the head by vocabulary).
 
     Returns:

@@ -1,5 +1,5 @@
 """The README stays true: its examples run as written, it stays short, user-facing, and its
-Layout table lists exactly the module files of torch_impl/, jax_impl/ and interop/."""
+Layout table lists exactly the module files of logitless/, torch_impl/, jax_impl/ and interop/."""
 
 import glob
 import os
@@ -12,12 +12,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
 EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-PACKAGES = ("torch_impl", "jax_impl", "interop")
+PACKAGES = ("logitless", "torch_impl", "jax_impl", "interop")
 MAX_LINES = 500  # five public calls, each with its example, and the generated results tables
 
 
 def test_readme_has_an_example_per_framework():
-    assert any("import torch_impl" in e for e in EXAMPLES) and any("import jax_impl" in e for e in EXAMPLES)
+    assert any("import logitless.torch" in e for e in EXAMPLES) and any("import logitless.jax" in e for e in EXAMPLES)
 
 
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))

@@ -1,4 +1,4 @@
-"""`LinearCrossEntropyLoss`: the nn.Module form of `torch_impl.linear_cross_entropy`."""
+"""`LinearCrossEntropyLoss`: the nn.Module form of `logitless.torch.linear_cross_entropy`."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from torch_impl.functional import linear_cross_entropy
 
 class LinearCrossEntropyLoss(nn.Module):
     """Holds the options (and class weights) like ``nn.CrossEntropyLoss``: every keyword of
-    `torch_impl.linear_cross_entropy`.
+    `logitless.torch.linear_cross_entropy`.
 
     ``forward(input [..., D], linear_weight [V, D] or [D, V], target [...], linear_bias=None,
-    num_items_in_batch=None)`` returns what `torch_impl.linear_cross_entropy` returns with
+    num_items_in_batch=None)`` returns what `logitless.torch.linear_cross_entropy` returns with
     these options (num_items_in_batch, which changes with every batch, is an argument of the
     call).
     """

@@ -13,7 +13,7 @@ bias. In train mode with ``labels`` the wrapped forward runs the original forwar
 ``labels=None``; a hook on the head takes the final hidden states the head receives and
 hands the head one position per sequence instead of all, so the original's own code after
 the head (softcapping, logit scaling, the mixture-of-experts router loss) runs on [B, 1, V]
-logits. The loss is then ForCausalLMLoss's, computed by `torch_impl.linear_cross_entropy`
+logits. The loss is then ForCausalLMLoss's, computed by `logitless.torch.linear_cross_entropy`
 from the hidden states and the head's weight and bias:
 
 - the logits' transforms read from the config: ``final_logit_softcapping`` (Gemma 2 and 3)
