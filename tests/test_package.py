@@ -118,21 +118,28 @@ def test_the_wheel_holds_every_module_and_spec_file_and_imports_from_elsewhere(w
 
 
 def test_another_distribution_of_the_same_top_level_name_raises(wheel, tmp_path):
-    """Another distribution that installs a top-level `interop` (PyPI's, Illumina's) into
-    the same site directory overwrites logitless's `interop/__init__.py` (pip checks no
-    file conflicts); logitless then raises ImportError naming both distributions instead of
-    running the other's code."""
-    site = _installed(wheel, tmp_path / "site")
-    (site / "interop" / "__init__.py").write_text('"""Illumina InterOp (a stand-in)."""\n__version__ = "1.9.0"\n')
-    info = site / "interop-1.9.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: interop\nVersion: 1.9.0\n")
-    (info / "top_level.txt").write_text("interop\n")
-    (info / "RECORD").write_text("interop/__init__.py,,\n")
-    for module in ("logitless.spec", "logitless.torch", "logitless.jax"):
-        out = _python(f"import {module}", tmp_path, pythonpath=str(site))
+    """A stand-in of PyPI's `interop` (Illumina's), pip-installed after logitless into the
+    same environment: pip checks no file conflicts and overwrites logitless's
+    `interop/__init__.py` (the submodules stay); logitless then raises ImportError naming
+    both distributions instead of running the other's code."""
+    stand_in = tmp_path / "stand-in"
+    (stand_in / "interop").mkdir(parents=True)
+    (stand_in / "interop" / "__init__.py").write_text('"""InterOp (a stand-in)."""\n__version__ = "1.9.0"\n')
+    (stand_in / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "interop"\nversion = "1.9.0"\n[tool.setuptools]\npackages = ["interop"]\n')
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    for what in (wheel, stand_in):
+        run = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
+                              str(what)], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+    for module in ("logitless.spec", "logitless.torch", "logitless.jax"):  # each checks interop first
+        out = subprocess.run([str(python), "-c", f"import {module}"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
         assert out.returncode != 0 and "ImportError" in out.stderr, (module, out.stderr[-2000:])
-        assert "'interop', 'logitless'" in out.stderr and str(site / "interop") in out.stderr, out.stderr[-2000:]
+        assert "'interop', 'logitless'" in out.stderr, out.stderr[-2000:]
 
 
 def test_the_repository_tree_is_what_loads_here():
