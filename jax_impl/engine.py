@@ -85,7 +85,7 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
     def row_step(carry, xs):
         x_R, state = xs[0], rule.init(xs)
         for sweep in range(rule.sweeps):
-            if with_grads:  # whole rows: one block, kept for every sweep and dz
+            if with_grads:  # whole rows: one block for every sweep and dz (one product: XLA merges the same dot)
                 z = head.col_logits(x_R, 0, head.vocab)
                 state = rule.stats(z, 0, xs, state, sweep)
             else:

@@ -98,3 +98,29 @@ def test_no_gradient_is_formed_where_autograd_does_not_record(monkeypatch):
         loss(x, W, "speed").backward()  # a training step still forms them
         assert any(asked) or name == "log_probs", name
         asked.clear()
+
+
+def test_every_logits_buffer_is_freed_before_grad_weight_is_converted(monkeypatch):
+    """The loop drops every logits buffer of a call (a dense teacher's too) before grad_weight's
+    fp32 accumulator is converted to W's dtype, which allocates: a block of logits (half a GiB
+    at L in "speed") must not stay alive there."""
+    import weakref
+
+    from torch_impl import blocks, engine
+
+    made, alive = [], []
+    init = blocks.HeadBlocks.__init__
+    monkeypatch.setattr(blocks.HeadBlocks, "__init__", lambda self, *a, **k: made.append(weakref.ref(self)) or
+                        init(self, *a, **k))
+    final = engine.final_grad
+    monkeypatch.setattr(engine, "final_grad", lambda acc, like: alive.extend(
+        b.buffer.numel() for b in (r() for r in made) if b is not None and b.buffer is not None and b.buffer.numel())
+        or final(acc, like))
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(64, 19, generator=gen).requires_grad_()
+    W = (torch.randn(53, 19, generator=gen) * 0.5).requires_grad_()
+    for name, loss in _losses("cpu").items():
+        for strategy in ("speed", "memory"):
+            made.clear()
+            loss(x, W, strategy).backward()
+            assert made and not alive, (name, strategy, alive)

@@ -262,7 +262,6 @@ class KernelCall(engine.Call):
     return_lse: bool
     check: TargetCheck
     split: VocabSplit | None = None
-    n_grads = 3
     message = SECOND_ORDER_MESSAGE
 
     def forward(self, tensors, need):

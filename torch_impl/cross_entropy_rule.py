@@ -11,8 +11,8 @@ each block's logits and turns them into dz with a "grad" step (interop/SPEC.md).
   rows at a time. Its backward pass is plain PyTorch, recorded by autograd under
   ``create_graph=True``: the fallback alone has second-order derivatives.
 - With a `VocabSplit` (a head split over the vocabulary, `torch_impl.vocab_parallel`), this
-  rank holds the classes [first, first + V_r); the engine combines the ranks' statistics and
-  sums grad_input. With sequence parallel, each rank passes its part of the rows: they are
+  rank holds the classes [first, first + V_r); the rule combines the ranks' statistics and
+  the engine sums grad_input. With sequence parallel, each rank passes its part of the rows: they are
   gathered in each pass (the whole input is never saved) and grad_input is reduce-scattered
   back to the parts.
 """

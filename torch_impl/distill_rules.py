@@ -241,7 +241,8 @@ class DenseRule(engine.Rule):
         return self.ops.pair_grad(z, t, self.lse_s[rs], self.lse_t[rs], self.kl_q[rs], self.coef[rs], self.o)
 
     def release(self):
-        self.t = self.teacher = None
+        self.teacher.release()  # the teacher's logits buffer, as the loop releases the student's
+        self.t = None
 
 
 def _dense_heads(x, W, xt_ND, Wt, layout, vocab, plan, ops, active, split):
@@ -252,7 +253,7 @@ def _dense_heads(x, W, xt_ND, Wt, layout, vocab, plan, ops, active, split):
 def dense_forward(x, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layout, vocab, plan, ops, num_items,
                   grads_now=(False, False), active=None, split: VocabSplit | None = None):
     """(loss, saved, grads) over the first `vocab` classes of both heads: saved = (lse_s,
-    lse_t, b) per row; grads = (dx, dW) for an upstream gradient of 1 if grads_now. active
+    lse_t, kl_q) per row; grads = (dx, dW) for an upstream gradient of 1 if grads_now. active
     as for topk_forward (valid_N, the losses and saved over its rows). split: both heads
     split over the vocabulary alike (W and Wt this rank's classes)."""
     student, teacher = _dense_heads(x, W, xt_ND, Wt, layout, vocab, plan, ops, active, split)

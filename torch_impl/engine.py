@@ -15,10 +15,11 @@ row blocks of logits z [R, C] (`HeadBlocks.logits`, no bias):
 
 The loop owns everything else once for every loss: the gradient buffers (grad_weight in
 vocabulary slabs, grad_input rows written once or summed over column blocks in fp32), the
-rows computed (`HeadBlocks.active`), and a head split over the vocabulary
-(`torch_impl.vocab_parallel.VocabSplit`): its rows gathered, each row block's statistics
-combined before its dz (or, when no gradient is formed, every row's in one collective
-after the loop), grad_input summed over the ranks in fp32.
+rows computed (`HeadBlocks.active`), and the order of a head split over the vocabulary
+(`torch_impl.vocab_parallel.VocabSplit`; its blocks hold the gathered rows): the rule's
+`rows_done` combines each row block's statistics before its dz, or, when no gradient is
+formed and the rule has one sweep, every row's at once after the loop (one collective);
+grad_input is summed over the ranks in fp32.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ the same (options, dtypes, which inputs need a gradient, the targets) and so mus
 upstream gradients: "speed" forms the summed gradients in the forward pass, and each rank
 scales them by its own.
 
-Every loss runs this as a mode of the block loop (`torch_impl.engine`): the rows gathered,
-each rule's statistics combined over the ranks (`combine_stats`, or the log-probabilities'
+Every loss runs this as a mode of the block loop (`torch_impl.engine`): the rows gathered
+into its blocks, each rule's statistics combined over the ranks (`combine_stats`, or the log-probabilities'
 own combine, which adds the entropy's and the argmax's), grad_input summed. Where "speed"
 forms the gradients in the forward pass it still does (6 N D V / P flops per rank), each
 block of whole rows combined before its dz. `VocabSplit` is what the loop needs of the split.
