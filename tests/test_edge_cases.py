@@ -258,6 +258,7 @@ def test_torch_softcap_saturated_on_cuda(strategy):
 def test_torch_without_triton_runs_every_loss_on_the_fallback():
     """Where Triton is not installed (it ships for Linux only), every loss and the vocabulary
     split import and run on the fallback, equal to the float64 reference."""
+    import socket
     import subprocess
     import sys
 
@@ -282,12 +283,16 @@ ids = torch.topk(torch.tensor(p.x @ p.W.T), 3).indices
 torch_impl.linear_topk_distillation(x, W, ids, torch.log_softmax(torch.randn(ids.shape), 1)).backward()
 torch_impl.linear_distillation(x, W, x.detach(), W.detach()).backward()
 torch_impl.linear_policy_loss(x, W, torch.tensor(p.y), 1.0, strategy="speed").backward()
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:PORT", rank=0, world_size=1)
 split = torch_impl.linear_cross_entropy(x, W, torch.tensor(p.y), linear_bias=b, vocab_parallel=dist.group.WORLD)
 assert abs(float(split) - float(loss)) <= 1e-6 * abs(float(loss))
 dist.barrier()
 dist.destroy_process_group()
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    with socket.socket() as free:  # a port no other run holds
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", script.replace("PORT", str(port))], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
