@@ -36,8 +36,7 @@ def _torch_lines() -> list[str]:
 
     from interop.tuning import DEFAULT
     from torch_impl import blocked
-    from torch_impl.functional import choose_strategy, kernels_can_run
-    from torch_impl.steps import plan_steps
+    from torch_impl.steps import choose_strategy, kernels_can_run, plan_steps
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.empty(0, dtype=torch.bfloat16, device=device)

@@ -47,7 +47,7 @@ def _reference(p, options, g_lp, g_H):
 def run_torch(p, options, g_lp, g_H, device=None, layouts=None, strategy="auto"):
     """{"log_probs", "entropy", "argmax", "grad_x", "grad_W", "grad_b"} as numpy."""
     import torch_impl
-    from torch_impl.functional import kernels_can_run
+    from torch_impl.steps import kernels_can_run
 
     device = device or default_device()  # CUDA where there is a GPU
     # the kernel strategies run their kernels (Triton's interpreter off a GPU), not the fallback

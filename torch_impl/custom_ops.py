@@ -29,12 +29,13 @@ import dataclasses
 
 import torch
 
-from interop.options import DEFAULT_IGNORE_INDEX, CrossEntropyOptions, check_filter_eps, check_inputs, check_strategy
+from interop.options import (DEFAULT_IGNORE_INDEX, CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction,
+                             check_strategy)
 from interop.tuning import Tuning
 from torch_impl import cross_entropy_rule
-from torch_impl.arguments import dense
+from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
 from torch_impl.rows import compute_dtype
-from torch_impl.steps import plan_steps
+from torch_impl.steps import choose_strategy, kernels_can_run, plan_steps
 
 try:
     from torch_impl import blocked
@@ -138,8 +139,6 @@ def optional_shape(t):
 def block_steps(strategy, x, vocab, dtype, accumulate, tuning, buffers=1, speed_pays=True):
     """(plan, ops) of the block steps for the rows x [N, D] (`torch_impl.steps.plan_steps`;
     speed_pays as for `choose_strategy`)."""
-    from torch_impl.functional import choose_strategy
-
     n, d = x.shape
     t = tuning_from_values(tuning)
     strategy = choose_strategy(strategy, x, n, d, vocab, t, speed_pays)
@@ -154,8 +153,6 @@ def formed_now(reduced: bool, strategy: str, input: torch.Tensor, *tensors) -> l
     made when the op runs, may still be "memory": its backward pass then runs right after).
     Not for fp16 under "auto": a gradient formed at scale 1 in fp16 would underflow what a
     loss scale keeps; "chunked" and "memory" leave them to the backward op."""
-    from torch_impl.functional import kernels_can_run
-
     now = (reduced and torch.is_grad_enabled() and kernels_can_run(input)
            and (strategy == "speed" or (strategy == "auto" and input.dtype != torch.float16)))
     return [now and t is not None and t.requires_grad for t in (input, *tensors)]
@@ -178,9 +175,6 @@ def compiled_call(input, required: dict, optional: dict, reduction: str, num_ite
     """The checks a compiled call makes before its op (which checks the rest when traced):
     tensor arguments by name, reduction with num_items_in_batch; returns `cast` (input
     first) cast to the autocast dtype where autocast is on."""
-    from interop.options import check_reduction
-    from torch_impl.arguments import autocast_inputs, check_tensors
-
     check_tensors(input, required, optional)
     check_reduction(reduction, num_items_in_batch)
     return autocast_inputs(input, *cast)
@@ -189,8 +183,6 @@ def compiled_call(input, required: dict, optional: dict, reduction: str, num_ite
 def divided(loss, num_items_in_batch):
     """A summed loss divided by num_items_in_batch (None: unchanged), outside the op: a
     number inside it would be compiled in as a constant."""
-    from torch_impl.arguments import denominator
-
     if num_items_in_batch is None:
         return loss
     return loss / denominator(num_items_in_batch, loss.dtype, loss.device)
@@ -237,8 +229,6 @@ def _call(input, linear_weight, target, linear_bias, weight, reduction, ignore_i
 def _plan(c: _Call, strategy: str, accumulate: bool, filter_eps, grads_now):
     """(plan, ops): the block steps' where the strategy resolves to "chunked", else the
     kernels' plan that never waits for the GPU and None."""
-    from torch_impl.functional import choose_strategy
-
     n, d = c.x.shape
     strategy = choose_strategy(strategy, c.x, n, d, c.vocab, c.tuning)
     if strategy == "chunked":

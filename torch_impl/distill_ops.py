@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs,
+                                  check_topk_inputs)
 from interop.options import DEFAULT_IGNORE_INDEX, check_strategy
 from interop.tuning import Tuning
 from torch_impl.arguments import dense
 from torch_impl.custom_ops import (block_steps, divided, dtype_of, fake_grads, formed_now, fused_autograd, grad_outputs,
                                    number, optional_shape, tuning_values)
+from torch_impl.distill_rows import TopKTeacher, valid_rows
+from torch_impl.distill_rules import dense_backward, dense_forward, topk_backward, topk_forward
 from torch_impl.rows import compute_dtype
 
 
@@ -19,8 +23,6 @@ def topk_checked(input, linear_weight, teacher_ids, teacher_logprobs, target, li
                   renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction,
                   ignore_index, softcap, weight_layout, strategy):
     """(options, shape) of a top-K call: the eager call's checks."""
-    from interop.distillation import TopKDistillationOptions, check_topk_inputs
-
     o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
                                 weight_hard, reduction, ignore_index, softcap)
     check_strategy(strategy)
@@ -38,8 +40,6 @@ def _topk_operands(o, shape, input, teacher_ids, teacher_logprobs, target, row_m
     """(x [N, D], teacher, y [N] int64 (-1: none), valid [N]) as the eager call prepares them,
     except that a row with a teacher id >= V, or with a bad hard target, gets NaN teacher
     log-probabilities (a NaN loss and gradient) instead of raising; the bad id reads nothing."""
-    from torch_impl.distill_rows import TopKTeacher, valid_rows
-
     n, V, dev, wide = shape.n_rows, shape.vocab, input.device, compute_dtype(input.dtype)
     ids = teacher_ids.reshape(n, shape.k).to(torch.int64)
     bad = (ids >= V).any(1)
@@ -69,8 +69,6 @@ def linear_topk_distillation_op(
     """(loss; lse_T, lse_1 [N], s_ids [N, K], s_y [N]: the per-row values its backward pass
     reads; the gradients of input, linear_weight and linear_bias for an upstream gradient of
     1 where grads_now is set, else empty tensors)."""
-    from torch_impl.distill_rules import topk_backward, topk_forward
-
     o, shape = topk_checked(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask,
                              temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
                              weight_hard, reduction, ignore_index, softcap, weight_layout, strategy)
@@ -109,8 +107,6 @@ def linear_topk_distillation_backward_op(
     accumulate_in_input_dtype: bool, tuning: list[float], need: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of `linear_topk_distillation_op`'s loss from its saved per-row values."""
-    from torch_impl.distill_rules import topk_backward
-
     o, shape = topk_checked(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask,
                              temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
                              weight_hard, reduction, ignore_index, softcap, weight_layout, strategy)
@@ -135,8 +131,6 @@ fused_autograd(linear_topk_distillation_op, linear_topk_distillation_backward_op
 def dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta, temperature,
                    temperature_squared, reduction, ignore_index, weight_layout, strategy):
     """(options, shape) of a dense-teacher call: the eager call's checks."""
-    from interop.distillation import DenseDistillationOptions, check_dense_inputs
-
     o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
     check_strategy(strategy)
     shape = check_dense_inputs(
@@ -150,8 +144,6 @@ def dense_checked(input, linear_weight, teacher_input, teacher_weight, target, r
 
 def _dense_operands(o, shape, input, teacher_input, target, row_mask):
     """(x [N, D], teacher x [N, Dt], valid [N], vocab: the classes both heads cover)."""
-    from torch_impl.distill_rows import valid_rows
-
     n = shape.n_rows
     y = None if target is None else target.reshape(n)
     valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, input.device)
@@ -168,8 +160,6 @@ def linear_distillation_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss; lse_s, lse_t, kl_q [N]: what its backward pass reads; the gradients of input
     and linear_weight for an upstream gradient of 1 where grads_now is set, else empty)."""
-    from torch_impl.distill_rules import dense_backward, dense_forward
-
     o, shape = dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta,
                               temperature, temperature_squared, reduction, ignore_index, weight_layout, strategy)
     x, xt, valid, vocab = _dense_operands(o, shape, input, teacher_input, target, row_mask)
@@ -206,8 +196,6 @@ def linear_distillation_backward_op(
     accumulate_in_input_dtype: bool, tuning: list[float], need: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of `linear_distillation_op`'s loss from its saved per-row values."""
-    from torch_impl.distill_rules import dense_backward
-
     o, shape = dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta,
                               temperature, temperature_squared, reduction, ignore_index, weight_layout, strategy)
     x, xt, valid, vocab = _dense_operands(o, shape, input, teacher_input, target, row_mask)

@@ -12,9 +12,9 @@ from torch_impl import custom_ops, distill_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
 from torch_impl.distill_rules import DenseCall, TopKCall
 from torch_impl import engine
-from torch_impl.steps import plan_steps
+from torch_impl.steps import choose_strategy, plan_steps
 from torch_impl.distill_rows import TopKTeacher, valid_rows
-from torch_impl.functional import (choose_strategy, head_slice, runs_compiled, split_operands, valid_rows_only,
+from torch_impl.functional import (head_slice, runs_compiled, split_operands, valid_rows_only,
                                   whole_input)
 from torch_impl.rows import compute_dtype
 from torch_impl.vocab_parallel import call_fingerprint, local_targets

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from interop.blocking import skipping_pays, speed_extra_bytes
+from interop.blocking import skipping_pays
 from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
@@ -14,7 +12,7 @@ from torch_impl.arguments import autocast_inputs, check_tensors, dense, denomina
 from torch_impl import custom_ops
 from torch_impl.cross_entropy_rule import CrossEntropyCall
 from torch_impl import engine
-from torch_impl.steps import plan_steps
+from torch_impl.steps import choose_strategy, plan_steps
 
 try:
     from torch_impl import blocked
@@ -124,34 +122,6 @@ def _whole_shape(input: torch.Tensor, rows_dim: int | None, group) -> tuple[int,
     shape = list(input.shape)
     shape[rows_dim] *= torch.distributed.get_world_size(group)
     return tuple(shape)
-
-
-def kernels_can_run(x: torch.Tensor) -> bool:
-    """Triton serves CUDA tensors, and CPU tensors under TRITON_INTERPRET=1; not fp64."""
-    if blocked is None or x.dtype == torch.float64:
-        return False
-    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int, t: Tuning,
-                    speed_pays: bool = True) -> str:
-    """Resolve "auto" and route to "chunked" where the kernels can't run. While a CUDA graph
-    is captured, "auto" is "memory": the free memory then says nothing of the graph's pool,
-    and a replay cannot choose again. speed_pays: whether "speed" is the faster where it fits;
-    for linear_log_probs it is not ("memory" recomputes the logits in the same time, at a
-    fraction of the memory: neither can form the gradients in the forward pass), and "auto"
-    is "memory"."""
-    if strategy == "chunked" or not kernels_can_run(x):
-        return "chunked"
-    if strategy != "auto":
-        return strategy
-    if not x.is_cuda:
-        return "chunked"
-    if not speed_pays or torch.cuda.is_current_stream_capturing():
-        return "memory"
-    free, _ = torch.cuda.mem_get_info(x.device)
-    extra = speed_extra_bytes(t, n_rows, hidden, vocab, x.element_size())
-    return "speed" if extra <= 0.25 * free else "memory"
 
 
 def linear_cross_entropy(

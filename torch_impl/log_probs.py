@@ -13,10 +13,10 @@ from interop.tuning import Tuning
 from torch_impl import custom_ops, log_probs_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl import engine
-from torch_impl.functional import (check_target_range, choose_strategy, head_slice, runs_compiled, split_operands,
+from torch_impl.functional import (check_target_range, head_slice, runs_compiled, split_operands,
                                   whole_input)
 from torch_impl.log_probs_rule import LogProbsCall
-from torch_impl.steps import plan_steps
+from torch_impl.steps import choose_strategy, plan_steps
 from torch_impl.vocab_parallel import call_fingerprint
 
 

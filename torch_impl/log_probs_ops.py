@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from interop.log_probs import LogProbsOptions
 from interop.options import DEFAULT_IGNORE_INDEX, check_inputs, check_strategy
 from interop.tuning import Tuning
 from torch_impl import log_probs_rule
@@ -18,8 +19,6 @@ from torch_impl.rows import compute_dtype
 def log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index, weight_layout,
                        strategy):
     """(options, shape) of a `linear_log_probs` call: the eager call's checks."""
-    from interop.log_probs import LogProbsOptions
-
     o = LogProbsOptions(temperature, softcap, ignore_index)
     check_strategy(strategy)
     shape = check_inputs(

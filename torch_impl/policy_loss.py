@@ -25,10 +25,10 @@ from torch_impl import custom_ops, engine, log_probs_ops, log_probs_rule
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.blocks import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
-from torch_impl.functional import (check_target_range, choose_strategy, head_slice, runs_compiled, split_operands,
+from torch_impl.functional import (check_target_range, head_slice, runs_compiled, split_operands,
                                   valid_rows_only, whole_input)
 from torch_impl.rows import compute_dtype
-from torch_impl.steps import plan_steps
+from torch_impl.steps import choose_strategy, plan_steps
 from torch_impl.vocab_parallel import call_fingerprint
 
 SECOND_ORDER_MESSAGE = "logitless: linear_policy_loss gives first-order gradients only"

@@ -14,9 +14,11 @@ for `linear_log_probs` (`torch_impl.log_probs_kernels` says what they hold).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from interop.blocking import block_shape, chunk_rows
+from interop.blocking import block_shape, chunk_rows, speed_extra_bytes
 from interop.tuning import Tuning
 from torch_impl.blocks import BlockPlan
 from torch_impl.rows import compute_dtype
@@ -191,6 +193,34 @@ class TorchOps:
 
     log_prob_stats_ = staticmethod(_log_prob_stats_)
     log_prob_grad = staticmethod(_log_prob_grad)
+
+
+def kernels_can_run(x: torch.Tensor) -> bool:
+    """Triton serves CUDA tensors, and CPU tensors under TRITON_INTERPRET=1; not fp64."""
+    if kernels is None or x.dtype == torch.float64:
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int, t: Tuning,
+                    speed_pays: bool = True) -> str:
+    """Resolve "auto" and route to "chunked" where the kernels can't run. While a CUDA graph
+    is captured, "auto" is "memory": the free memory then says nothing of the graph's pool,
+    and a replay cannot choose again. speed_pays: whether "speed" is the faster where it fits;
+    for linear_log_probs it is not ("memory" recomputes the logits in the same time, at a
+    fraction of the memory: neither can form the gradients in the forward pass), and "auto"
+    is "memory"."""
+    if strategy == "chunked" or not kernels_can_run(x):
+        return "chunked"
+    if strategy != "auto":
+        return strategy
+    if not x.is_cuda:
+        return "chunked"
+    if not speed_pays or torch.cuda.is_current_stream_capturing():
+        return "memory"
+    free, _ = torch.cuda.mem_get_info(x.device)
+    extra = speed_extra_bytes(t, n_rows, hidden, vocab, x.element_size())
+    return "speed" if extra <= 0.25 * free else "memory"
 
 
 def plan_steps(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
