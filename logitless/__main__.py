@@ -9,7 +9,7 @@ import importlib.metadata
 import platform
 
 import logitless
-from logitless.origin import ROOT
+from logitless.origin import ROOT, load
 
 SHAPES = {"L": (16384, 4096, 128256), "G": (8192, 2304, 256000), "S": (4096, 1024, 32000)}
 PACKAGES = ("numpy", "torch", "triton", "jax", "jaxlib", "flax", "transformers")
@@ -35,7 +35,6 @@ def _torch_lines() -> list[str]:
     import torch
 
     from interop.tuning import DEFAULT
-    from torch_impl import blocked
     from torch_impl.steps import choose_strategy, kernels_can_run, plan_steps
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,6 +46,8 @@ def _torch_lines() -> list[str]:
         if strategy == "chunked":
             p, _ = plan_steps(DEFAULT, strategy, n, d, v, torch.bfloat16, False)
         else:
+            from torch_impl import blocked  # Triton: only where the kernels run
+
             p = blocked.plan_blocks(DEFAULT, strategy, n, d, v, torch.bfloat16, False)
         lines.append(f"  auto at {name} {n}x{d}x{v}: {strategy}, blocks of {p.block_rows} rows x {p.block_cols} "
                      f"classes ({p.layout})")
@@ -80,7 +81,11 @@ def report() -> str:
         except ImportError:
             lines.append(f"{framework}: not installed")
             continue
-        lines += section()
+        try:
+            load("interop"), load(f"{framework}_impl")
+            lines += section()
+        except Exception as e:  # a broken install or device: the report says so and goes on
+            lines.append(f"{framework}: fails ({e!r})"[:400])
     lines.append("peers: " + " | ".join(f"{p} {_imports(p)}" for p in PEERS))
     return "\n".join(lines)
 

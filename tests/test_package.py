@@ -22,12 +22,13 @@ FUNCTIONS = ["linear_cross_entropy", "linear_topk_distillation", "linear_distill
              "linear_policy_loss"]
 
 
-def _python(code: str, cwd, pythonpath: str | None = None) -> subprocess.CompletedProcess:
-    """`python -c code` in a fresh process started in cwd (its own modules first on sys.path)."""
+def _python(code: str, cwd, pythonpath: str | None = None, python=sys.executable) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh process started in cwd (its own modules first on sys.path;
+    PYTHONPATH only as given)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(python), "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_both_frameworks_have_the_same_functions_and_the_version():
@@ -65,12 +66,12 @@ def test_python_m_logitless_reports_the_machine():
 
 def test_a_local_module_that_shadows_an_implementation_package_raises(tmp_path):
     """A caller's torch_impl.py beside the script comes first on sys.path: importing
-    logitless.torch raises, naming that file, instead of running it."""
-    (tmp_path / "torch_impl.py").write_text("linear_cross_entropy = None\n")
+    logitless.torch raises, naming that file, and never runs it."""
+    (tmp_path / "torch_impl.py").write_text('print("the local module ran")\n')
     out = _python("import logitless.torch", tmp_path, pythonpath=str(ROOT))
     assert out.returncode != 0
     assert "ImportError" in out.stderr and str(tmp_path / "torch_impl.py") in out.stderr, out.stderr
-    assert "shadows it" in out.stderr, out.stderr
+    assert "shadows it" in out.stderr and "ran" not in out.stdout, out.stderr
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +123,10 @@ def test_the_wheel_holds_every_module_and_spec_file_and_imports_from_elsewhere(w
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     code = ("import logitless, logitless.spec, logitless.torch as lt, logitless.jax as lj, torch_impl, interop; "
-            "print(logitless.__file__, torch_impl.__file__, interop.__file__)")
-    out = subprocess.run([str(python), "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=300)
+            "print(logitless.__file__, torch_impl.__file__, interop.__file__, sep='\\n')")
+    out = _python(code, elsewhere, python=python)
     assert out.returncode == 0, out.stderr[-2000:]
-    files = out.stdout.split()
+    files = out.stdout.splitlines()[-3:]
     assert all(f.startswith(str(tmp_path / "venv")) for f in files), files
 
 
@@ -142,8 +143,7 @@ def test_another_distribution_of_the_same_top_level_name_raises(wheel, tmp_path)
         '[project]\nname = "interop"\nversion = "1.9.0"\n[tool.setuptools]\npackages = ["interop"]\n')
     python = _fresh_venv(tmp_path / "venv", wheel, stand_in)
     for module in ("logitless.spec", "logitless.torch", "logitless.jax"):  # each checks interop first
-        out = subprocess.run([str(python), "-c", f"import {module}"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=300)
+        out = _python(f"import {module}", tmp_path, python=python)
         assert out.returncode != 0 and "ImportError" in out.stderr, (module, out.stderr[-2000:])
         assert "'interop', 'logitless'" in out.stderr, out.stderr[-2000:]
 
