@@ -1,6 +1,6 @@
-"""The block loop of the losses driven by block steps, and their autograd Function: each
-loss is a `Rule` (its per-row math) that `forward` and `backward` call, and a `Call` (its
-passes and what they save) that `RuleFunction` runs under autograd.
+"""The block loop of every loss, and their one autograd Function: each loss is a `Rule`
+(its per-row math) that `forward` and `backward` call, and a `Call` (its passes and what
+they save) that `RuleFunction` runs under autograd.
 
 A rule holds one call's per-row state over the rows `HeadBlocks` computes. The loop walks
 row blocks of logits z [R, C] (`HeadBlocks.logits`, no bias):
@@ -66,7 +66,7 @@ class Rule:
 
 def forward(rule: Rule, blocks: HeadBlocks, grads_now=(False, False, False), split: VocabSplit | None = None, x=None):
     """Run `rule` over the blocks; (dx, dW, db) for an upstream gradient of 1 where grads_now
-    (x, W, b) is set (blocks of whole rows only), else None. x: this rank's input (with a
+    (x, W, b) is set (blocks of whole rows only), else (None, None, None). x: this rank's input (with a
     split's sequence parallel, its part of blocks.x's rows)."""
     in_forward = any(grads_now)
     assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
