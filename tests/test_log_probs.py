@@ -340,7 +340,6 @@ def test_auto_is_memory_in_pytorch(monkeypatch):
     272 ms against 279) at 1.08x the floor against 2.2x."""
     import torch_impl
     import torch_impl.log_probs
-    import torch_impl.log_probs_ops
 
     planned = []
     for module in (torch_impl.log_probs, torch_impl.custom_ops):

@@ -83,7 +83,7 @@ def _blocks(x, W, b_V, layout, plan, ops, split):
 
 def forward(x, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan, ops,
             split: VocabSplit | None = None):
-    """(reduced loss, lse [N], cw [V] in the compute dtype or None) over flattened rows x
+    """(reduced loss, lse [N]) over flattened rows x
     [N, D] (with sequence parallel, split.rows_dim names the dimension of this rank's part
     [..., D] of the input that the ranks split), the head W (this rank's slice with a split),
     its bias, the full class weights cw [V] and the global targets y [N] (int64); loss and lse
@@ -92,13 +92,13 @@ def forward(x, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str,
     cw = None if cw_V is None else cw_V.to(compute_dtype(blocks.x.dtype))
     rule = CrossEntropyRule(blocks, cw, y_N, opts, ops, split)
     engine.forward(rule, blocks, split=split, x=x)
-    return rule.loss(), rule.lse, cw
+    return rule.loss(), rule.lse
 
 
 def backward(grad_loss, grad_lse, x, W, b_V, cw, y_N, lse, opts: CrossEntropyOptions, layout: str, plan: BlockPlan, ops,
              need=(True, True, True), split: VocabSplit | None = None):
-    """(dx, dW, db) of `forward`'s outputs, None where `need` (x, W, b) is not set; cw is
-    what `forward` returned; grad_loss 0-d (or [N] for "none") or None, grad_lse [N] or None."""
+    """(dx, dW, db) of `forward`'s outputs, None where `need` (x, W, b) is not set; cw [V]
+    in the compute dtype or None; grad_loss 0-d (or [N] for "none") or None, grad_lse [N] or None."""
     blocks = _blocks(x, W, b_V, layout, plan, ops, split)
     rule = CrossEntropyRule(blocks, cw, y_N, opts, ops, split, lse, grad_loss, grad_lse)
     return engine.backward(rule, blocks, need, split, x)
@@ -121,10 +121,11 @@ class CrossEntropyCall(engine.Call):
 
     def forward(self, tensors, need):
         x, W, b, cw, y = tensors
-        loss, lse, cw = forward(x, W, b, cw, y, self.opts, self.layout, self.plan, self.ops, self.split)
-        return (loss, lse), (cw, lse), None
+        loss, lse = forward(x, W, b, cw, y, self.opts, self.layout, self.plan, self.ops, self.split)
+        return (loss, lse), (lse,), None
 
     def backward(self, tensors, saved, grad_outputs, need):
-        (x, W, b, _, y), (cw, lse), (grad_loss, grad_lse) = tensors, saved, grad_outputs
+        (x, W, b, cw, y), (lse,), (grad_loss, grad_lse) = tensors, saved, grad_outputs
+        cw = None if cw is None else cw.to(lse.dtype)
         return backward(grad_loss, grad_lse, x, W, b, cw, y, lse, self.opts, self.layout, self.plan, self.ops, need,
                         self.split)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from interop.distillation import teacher_id_out_of_range_message
-from interop.options import check_reduction, check_tuning, target_out_of_range_message
+from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_topk_inputs,
+                                  teacher_id_out_of_range_message)
+from interop.options import (DEFAULT_IGNORE_INDEX, check_reduction, check_strategy, check_tuning,
+                             target_out_of_range_message)
 from interop.tuning import Tuning
-from torch_impl import custom_ops, distill_ops
+from torch_impl import custom_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
+from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl.distill_rules import DenseCall, TopKCall
 from torch_impl import engine
 from torch_impl.steps import choose_strategy, plan_steps
@@ -29,9 +32,9 @@ def _valid(o, shape, target, row_mask, device) -> torch.Tensor:
 
 def _dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta, temperature,
                    temperature_squared, reduction, ignore_index, weight_layout, strategy, split: bool):
-    """`distill_ops.dense_checked`; with a split, also that the rank's slices of the two
+    """`dense_checked`; with a split, also that the rank's slices of the two
     heads are as many classes (ValueError naming both shapes otherwise)."""
-    o, shape = distill_ops.dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask,
+    o, shape = dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask,
                                          divergence, beta, temperature, temperature_squared, reduction, ignore_index,
                                          weight_layout, strategy)
     if split and shape.vocab != shape.teacher_vocab:
@@ -119,8 +122,16 @@ def linear_topk_distillation(
             input, dict(linear_weight=linear_weight, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs),
             dict(target=target, linear_bias=linear_bias, row_mask=row_mask), reduction, num_items_in_batch,
             linear_weight, linear_bias)
-        return distill_ops.linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs,
-                                                   **{**kwargs, "linear_bias": linear_bias}, tuning=check_tuning(tuning))
+        loss, *_ = _topk_op(
+            input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask,
+            custom_ops.number("temperature", temperature), renormalize_teacher, tail_bucket, temperature_squared,
+            custom_ops.number("weight_soft", weight_soft), custom_ops.number("weight_hard", weight_hard),
+            "sum" if num_items_in_batch is not None else reduction,
+            DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index,
+            custom_ops.number("softcap", softcap, optional=True), weight_layout, strategy, accumulate_in_input_dtype,
+            custom_ops.tuning_values(check_tuning(tuning)),
+            custom_ops.formed_now(reduction != "none", strategy, input, linear_weight, linear_bias))
+        return custom_ops.divided(loss.reshape(input.shape[:-1]) if reduction == "none" else loss, num_items_in_batch)
     return _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, **kwargs, tuning=tuning,
                        vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
 
@@ -137,7 +148,7 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
     check_reduction(reduction, num_items_in_batch)
-    checked = lambda: distill_ops.topk_checked(
+    checked = lambda: topk_checked(
         whole_input(input, rows_dim, vocab_parallel), linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
         renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction, ignore_index, softcap,
         weight_layout, strategy)
@@ -250,8 +261,14 @@ def linear_distillation(
             input, dict(linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight),
             dict(target=target, row_mask=row_mask), reduction, num_items_in_batch, linear_weight, teacher_input,
             teacher_weight)
-        return distill_ops.linear_distillation(input, linear_weight, teacher_input, teacher_weight, **kwargs,
-                                              tuning=check_tuning(tuning))
+        loss, *_ = _dense_op(
+            input, linear_weight, teacher_input.detach(), teacher_weight.detach(), target, row_mask, divergence,
+            custom_ops.number("beta", beta), custom_ops.number("temperature", temperature), temperature_squared,
+            "sum" if num_items_in_batch is not None else reduction,
+            DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, weight_layout, strategy,
+            accumulate_in_input_dtype, custom_ops.tuning_values(check_tuning(tuning)),
+            custom_ops.formed_now(reduction != "none", strategy, input, linear_weight))
+        return custom_ops.divided(loss.reshape(input.shape[:-1]) if reduction == "none" else loss, num_items_in_batch)
     return _dense_eager(input, linear_weight, teacher_input, teacher_weight, **kwargs, tuning=tuning,
                         vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
 
@@ -301,3 +318,121 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
                      rows, split)
     loss = engine.apply(call, x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
+
+
+# ----------------------------------------------------------------------------- the custom ops
+
+
+def topk_checked(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
+                  renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction,
+                  ignore_index, softcap, weight_layout, strategy):
+    """(options, shape) of a top-K call: the eager call's checks."""
+    o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
+                                weight_hard, reduction, ignore_index, softcap)
+    check_strategy(strategy)
+    shape = check_topk_inputs(
+        input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
+        weight_dtype=dtype_of(linear_weight), ids_shape=tuple(teacher_ids.shape), ids_dtype=dtype_of(teacher_ids),
+        logprobs_shape=tuple(teacher_logprobs.shape), logprobs_dtype=dtype_of(teacher_logprobs),
+        target_shape=optional_shape(target), target_dtype=dtype_of(target), bias_shape=optional_shape(linear_bias),
+        bias_dtype=dtype_of(linear_bias), row_mask_shape=optional_shape(row_mask), row_mask_dtype=dtype_of(row_mask),
+        weight_layout=weight_layout, weight_hard=o.weight_hard)
+    return o, shape
+
+
+def _topk_operands(o, shape, input, teacher_ids, teacher_logprobs, target, row_mask):
+    """(x [N, D], teacher, y [N] int64 (-1: none), valid [N]) as the eager call prepares them,
+    except that a row with a teacher id >= V, or with a bad hard target, gets NaN teacher
+    log-probabilities (a NaN loss and gradient) instead of raising; the bad id reads nothing."""
+    n, V, dev, wide = shape.n_rows, shape.vocab, input.device, compute_dtype(input.dtype)
+    ids = teacher_ids.reshape(n, shape.k).to(torch.int64)
+    bad = (ids >= V).any(1)
+    ids = torch.where(ids >= V, -1, ids).contiguous()
+    y = None if target is None else target.reshape(n).to(torch.int64)
+    valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
+    y_kernel = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    if y is not None and o.weight_hard:
+        in_range = (y >= 0) & (y < V)
+        bad = bad | (valid & ~in_range)
+        y_kernel = torch.where(valid & in_range, y, y_kernel)
+    lp = teacher_logprobs.reshape(n, shape.k).to(wide)
+    lp = torch.where(bad[:, None], torch.full_like(lp, torch.nan), lp).contiguous()
+    return input.reshape(n, shape.hidden), TopKTeacher(ids, lp, o.renormalize_teacher, wide), y_kernel, valid
+
+
+def _topk_build(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask, temperature,
+                renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard, reduction, ignore_index,
+                softcap, weight_layout, strategy, accumulate_in_input_dtype, tuning, grads):
+    """The top-K op's Call (`custom_ops.OpSpec`)."""
+    o, shape = topk_checked(input, linear_weight, teacher_ids, teacher_logprobs, target, linear_bias, row_mask,
+                            temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard,
+                            reduction, ignore_index, softcap, weight_layout, strategy)
+    x, teacher, y, valid = _topk_operands(o, shape, input, teacher_ids, teacher_logprobs, target, row_mask)
+    plan, ops = custom_ops.block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning)
+    return TopKCall(teacher, o, weight_layout, plan, ops, None, None, None), (x, linear_weight, dense(linear_bias), y, valid)
+
+
+def _topk_fake(input, linear_weight, teacher_ids, *args):
+    """(loss,), (lse_T, lse_1 [N], s_ids [N, K], s_y [N]): the compute dtype."""
+    n, k, reduction = teacher_ids.shape[:-1].numel(), teacher_ids.shape[-1], args[10]
+    rows = lambda *s: input.new_empty(s, dtype=compute_dtype(input.dtype))
+    return (rows(n) if reduction == "none" else rows(),), (rows(n), rows(n), rows(n, k), rows(n))
+
+
+_topk_op = custom_ops.define(custom_ops.OpSpec(
+    "linear_topk_distillation",
+    "Tensor input, Tensor linear_weight, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? target, "
+    "Tensor? linear_bias, Tensor? row_mask, float temperature, bool renormalize_teacher, bool tail_bucket, "
+    "bool temperature_squared, float weight_soft, float weight_hard, str reduction, int ignore_index, float? softcap, "
+    "str weight_layout, str strategy, bool accumulate_in_input_dtype, float[] tuning",
+    _topk_build, _topk_fake, outputs=1, values=1, grads_of=(0, 1, 5)))
+
+
+def dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta, temperature,
+                   temperature_squared, reduction, ignore_index, weight_layout, strategy):
+    """(options, shape) of a dense-teacher call: the eager call's checks."""
+    o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
+    check_strategy(strategy)
+    shape = check_dense_inputs(
+        input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
+        weight_dtype=dtype_of(linear_weight), teacher_input_shape=tuple(teacher_input.shape),
+        teacher_input_dtype=dtype_of(teacher_input), teacher_weight_shape=tuple(teacher_weight.shape),
+        teacher_weight_dtype=dtype_of(teacher_weight), target_shape=optional_shape(target), target_dtype=dtype_of(target),
+        row_mask_shape=optional_shape(row_mask), row_mask_dtype=dtype_of(row_mask), weight_layout=weight_layout)
+    return o, shape
+
+
+def _dense_operands(o, shape, input, teacher_input, target, row_mask):
+    """(x [N, D], teacher x [N, Dt], valid [N], vocab: the classes both heads cover)."""
+    n = shape.n_rows
+    y = None if target is None else target.reshape(n)
+    valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, input.device)
+    return (input.reshape(n, shape.hidden), teacher_input.reshape(n, shape.teacher_hidden), valid,
+            min(shape.vocab, shape.teacher_vocab))
+
+
+def _dense_build(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta, temperature,
+                 temperature_squared, reduction, ignore_index, weight_layout, strategy, accumulate_in_input_dtype, tuning,
+                 grads):
+    """The dense-teacher op's Call (`custom_ops.OpSpec`)."""
+    o, shape = dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta,
+                             temperature, temperature_squared, reduction, ignore_index, weight_layout, strategy)
+    x, xt, valid, vocab = _dense_operands(o, shape, input, teacher_input, target, row_mask)
+    plan, ops = custom_ops.block_steps(strategy, x, vocab, input.dtype, accumulate_in_input_dtype, tuning, buffers=2)
+    return DenseCall(o, weight_layout, vocab, plan, ops, None, None, None), (x, linear_weight, xt, teacher_weight, valid)
+
+
+def _dense_fake(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta, temperature,
+                temperature_squared, reduction, *_):
+    """(loss,), (lse_s, lse_t, kl_q [N]): the compute dtype."""
+    n = input.shape[:-1].numel()
+    rows = lambda *s: input.new_empty(s, dtype=compute_dtype(input.dtype))
+    return (rows(n) if reduction == "none" else rows(),), (rows(n), rows(n), rows(n))
+
+
+_dense_op = custom_ops.define(custom_ops.OpSpec(
+    "linear_distillation",
+    "Tensor input, Tensor linear_weight, Tensor teacher_input, Tensor teacher_weight, Tensor? target, Tensor? row_mask, "
+    "str divergence, float beta, float temperature, bool temperature_squared, str reduction, int ignore_index, "
+    "str weight_layout, str strategy, bool accumulate_in_input_dtype, float[] tuning",
+    _dense_build, _dense_fake, outputs=1, values=1, grads_of=(0, 1)))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from interop.blocking import skipping_pays
-from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
+from interop.options import (DEFAULT_IGNORE_INDEX, CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
+from torch_impl.rows import compute_dtype
 from torch_impl import custom_ops
 from torch_impl.cross_entropy_rule import CrossEntropyCall
 from torch_impl import engine
@@ -231,15 +234,57 @@ def _compiled(input, linear_weight, target, *, linear_bias, weight, reduction, i
     input, linear_weight, linear_bias = custom_ops.compiled_call(
         input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias, weight=weight), reduction,
         num_items_in_batch, linear_weight, linear_bias)
-    out = custom_ops.linear_cross_entropy(
-        input, linear_weight, target, linear_bias=linear_bias, weight=weight,
-        reduction="sum" if num_items_in_batch is not None else reduction, ignore_index=ignore_index,
-        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
-        weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
-        filter_eps=filter_eps, tuning=check_tuning(tuning))
-    if return_lse:
-        return custom_ops.divided(out[0], num_items_in_batch), out[1]
-    return custom_ops.divided(out, num_items_in_batch)
+    loss, lse, *_ = _op(
+        input, linear_weight, target, linear_bias, weight, "sum" if num_items_in_batch is not None else reduction,
+        DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, custom_ops.number("label_smoothing", label_smoothing),
+        custom_ops.number("z_loss", z_loss), custom_ops.number("softcap", softcap, optional=True), weight_layout, strategy,
+        accumulate_in_input_dtype, custom_ops.number("filter_eps", filter_eps, optional=True),
+        custom_ops.tuning_values(check_tuning(tuning)),
+        custom_ops.formed_now(reduction != "none" and not return_lse, strategy, input, linear_weight, linear_bias))
+    lead = input.shape[:-1]
+    loss = custom_ops.divided(loss.reshape(lead) if reduction == "none" else loss, num_items_in_batch)
+    return (loss, lse.reshape(lead)) if return_lse else loss
+
+
+def _op_build(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+              softcap, weight_layout, strategy, accumulate_in_input_dtype, filter_eps, tuning, grads):
+    """The op's Call: the kernels' `blocked.KernelCall` with a plan that never waits for the
+    GPU, or where the strategy resolves to "chunked", the block steps' `CrossEntropyCall`."""
+    opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
+    check_strategy(strategy)
+    check_filter_eps(filter_eps)
+    shape = check_inputs(
+        input_shape=tuple(input.shape), input_dtype=dtype_name(input.dtype), weight_shape=tuple(linear_weight.shape),
+        weight_dtype=dtype_name(linear_weight.dtype), target_shape=tuple(target.shape), target_dtype=dtype_name(target.dtype),
+        bias_shape=custom_ops.optional_shape(linear_bias), bias_dtype=custom_ops.dtype_of(linear_bias),
+        class_weight_shape=custom_ops.optional_shape(weight), class_weight_dtype=custom_ops.dtype_of(weight),
+        weight_layout=weight_layout)
+    n, d, vocab, t = shape.n_rows, shape.hidden, shape.vocab, custom_ops.tuning_from_values(tuning)
+    x, y = input.reshape(n, d), dense(target.reshape(n)).to(torch.int64)
+    b, cw = dense(linear_bias), dense(weight)
+    strategy = choose_strategy(strategy, x, n, d, vocab, t)
+    if strategy == "chunked":
+        plan, ops = plan_steps(t, strategy, n, d, vocab, x.dtype, accumulate_in_input_dtype)
+        return CrossEntropyCall(opts, weight_layout, plan, ops), (x, linear_weight, b, cw, y)
+    plan = blocked.plan_blocks(t, strategy, n, d, vocab, x.dtype, accumulate_in_input_dtype, filter_eps,
+                               forward_only=not any(grads))
+    check = TargetCheck(y, cw, opts.ignore_index, vocab, watch=False)
+    call = blocked.KernelCall(opts, weight_layout, dataclasses.replace(plan, host_sync=False), False, check)
+    return call, (x, linear_weight, b, cw, y, None)
+
+
+def _op_fake(input, linear_weight, target, linear_bias, weight, reduction, *_):
+    """(loss, lse), (lse,): the loss 0-d, or [N] for "none"; fp32 (fp64 for fp64 input)."""
+    lse = input.new_empty(target.numel(), dtype=compute_dtype(input.dtype))
+    return (lse if reduction == "none" else lse.new_empty(()), lse), (lse,)
+
+
+_op = custom_ops.define(custom_ops.OpSpec(
+    "linear_cross_entropy",
+    "Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, str reduction, "
+    "int ignore_index, float label_smoothing, float z_loss, float? softcap, str weight_layout, str strategy, "
+    "bool accumulate_in_input_dtype, float? filter_eps, float[] tuning",
+    _op_build, _op_fake, outputs=2, values=2, grads_of=(0, 1, 3)))
 
 
 @torch.compiler.disable

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from interop.options import check_tuning
+from interop.log_probs import LogProbsOptions
+from interop.options import DEFAULT_IGNORE_INDEX, check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
-from torch_impl import custom_ops, log_probs_ops
+from torch_impl import custom_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
+from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl import engine
 from torch_impl.functional import (check_target_range, head_slice, runs_compiled, split_operands,
                                   whole_input)
 from torch_impl.log_probs_rule import LogProbsCall
+from torch_impl.rows import compute_dtype
 from torch_impl.steps import choose_strategy, plan_steps
 from torch_impl.vocab_parallel import call_fingerprint
 
@@ -84,8 +87,7 @@ def linear_log_probs(
         input, linear_weight, linear_bias = custom_ops.compiled_call(
             input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias), "none", None,
             linear_weight, linear_bias)
-        outs = log_probs_ops.linear_log_probs(input, linear_weight, target, **{**kwargs, "linear_bias": linear_bias},
-                                           tuning=check_tuning(tuning))
+        outs = compiled(input, linear_weight, target, **{**kwargs, "linear_bias": linear_bias}, tuning=tuning)
     else:
         outs = _eager(input, linear_weight, target, **kwargs, tuning=tuning, vocab_parallel=vocab_parallel,
                       sequence_parallel=sequence_parallel)
@@ -102,9 +104,8 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
     check_tensors(input, dict(linear_weight=linear_weight, target=target), dict(linear_bias=linear_bias))
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
-    checked = lambda: log_probs_ops.log_probs_checked(whole_input(input, rows_dim, vocab_parallel), linear_weight, target,
-                                                      linear_bias, temperature, softcap, ignore_index, weight_layout,
-                                                      strategy)
+    checked = lambda: log_probs_checked(whole_input(input, rows_dim, vocab_parallel), linear_weight, target, linear_bias,
+                                        temperature, softcap, ignore_index, weight_layout, strategy)
     split = None if vocab_parallel is None else head_slice(vocab_parallel, lambda: checked()[1], input.device, call_fingerprint(
         temperature, softcap, ignore_index, weight_layout, strategy, accumulate_in_input_dtype, tuning, input.dtype,
         linear_bias is None, torch.is_grad_enabled(), input.requires_grad, linear_weight.requires_grad,
@@ -120,3 +121,54 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
     logp, entropy, argmax = engine.apply(LogProbsCall(o, weight_layout, plan, ops, split), x_ND, linear_weight,
                                          dense(linear_bias), y_N)
     return tuple(t.reshape(shape.lead_shape) for t in (logp, entropy, argmax))
+
+
+# ----------------------------------------------------------------------------- the custom op
+
+
+def log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index, weight_layout,
+                       strategy):
+    """(options, shape) of a `linear_log_probs` call: the eager call's checks."""
+    o = LogProbsOptions(temperature, softcap, ignore_index)
+    check_strategy(strategy)
+    shape = check_inputs(
+        input_shape=tuple(input.shape), input_dtype=dtype_of(input), weight_shape=tuple(linear_weight.shape),
+        weight_dtype=dtype_of(linear_weight), target_shape=tuple(target.shape), target_dtype=dtype_of(target),
+        bias_shape=optional_shape(linear_bias), bias_dtype=dtype_of(linear_bias), weight_layout=weight_layout)
+    return o, shape
+
+
+def _op_build(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+              accumulate_in_input_dtype, tuning, grads):
+    """The op's Call (`custom_ops.OpSpec`); a bad target reads nothing (a NaN log-probability)."""
+    o, shape = log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index,
+                                 weight_layout, strategy)
+    x, y = input.reshape(shape.n_rows, shape.hidden), dense(target.reshape(shape.n_rows)).to(torch.int64)
+    plan, ops = custom_ops.block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning,
+                                       speed_pays=False)
+    return LogProbsCall(o, weight_layout, plan, ops, None), (x, linear_weight, dense(linear_bias), y)
+
+
+def _op_fake(input, linear_weight, target, *_):
+    """(log-probabilities, entropy, argmax), (lse, entropy): [N], argmax int64, the others in
+    the compute dtype."""
+    n, wide = target.numel(), compute_dtype(input.dtype)
+    rows = lambda: input.new_empty(n, dtype=wide)
+    return (rows(), rows(), input.new_empty(n, dtype=torch.int64)), (rows(), rows())
+
+
+_op = custom_ops.define(custom_ops.OpSpec(
+    "linear_log_probs",
+    "Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, float temperature, float? softcap, "
+    "int ignore_index, str weight_layout, str strategy, bool accumulate_in_input_dtype, float[] tuning",
+    _op_build, _op_fake, outputs=3, values=2, grads_of=(0, 1, 3)))
+
+
+def compiled(input, linear_weight, target, *, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+             accumulate_in_input_dtype, tuning):
+    """(log-probabilities, entropy, argmax) of the op, each shaped as target."""
+    outs = _op(input, linear_weight, target, linear_bias, custom_ops.number("temperature", temperature),
+               custom_ops.number("softcap", softcap, optional=True),
+               DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, weight_layout, strategy,
+               accumulate_in_input_dtype, custom_ops.tuning_values(check_tuning(tuning)), [False] * 3)
+    return tuple(t.reshape(target.shape) for t in outs[:3])

@@ -21,7 +21,7 @@ from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
 from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
 from interop.tuning import Tuning
-from torch_impl import custom_ops, engine, log_probs_ops, log_probs_rule
+from torch_impl import custom_ops, engine, log_probs, log_probs_rule
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
 from torch_impl.blocks import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
@@ -201,7 +201,7 @@ def _with_gradients(total, pairs):
 def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, epsilon_low,
               epsilon_high, beta, entropy_coef, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
               accumulate_in_input_dtype, tuning):
-    """The call inside torch.compile: `log_probs_ops` (which checks the head's arguments when
+    """The call inside torch.compile: `log_probs.compiled`'s op (which checks the head's arguments when
     traced), then `token_terms`."""
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
     o.check_references(ref_log_probs)
@@ -210,10 +210,10 @@ def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_lo
     input, linear_weight, linear_bias = custom_ops.compiled_call(
         input, dict(linear_weight=linear_weight, target=target), _tensor_arguments(linear_bias, given), "none", None, linear_weight, linear_bias)
     ignore_index = LogProbsOptions(temperature, softcap, ignore_index).ignore_index
-    logp, entropy, _ = log_probs_ops.linear_log_probs(
+    logp, entropy, _ = log_probs.compiled(
         input, linear_weight, target, linear_bias=linear_bias, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, weight_layout=weight_layout, strategy=strategy,
-        accumulate_in_input_dtype=accumulate_in_input_dtype, tuning=check_tuning(tuning))
+        accumulate_in_input_dtype=accumulate_in_input_dtype, tuning=tuning)
     logp, entropy = logp.reshape(-1), entropy.reshape(-1)
     tokens = {k: _per_token(k, given[k], target.shape, input, logp.dtype) for k in TOKEN_ARGUMENTS}
     valid = target.reshape(-1) != ignore_index
