@@ -106,11 +106,11 @@ def test_every_logits_buffer_is_freed_before_grad_weight_is_converted(monkeypatc
     at L in "speed") must not stay alive there."""
     import weakref
 
-    from torch_impl import blocks, engine
+    from torch_impl import engine, head
 
     made, alive = [], []
-    init = blocks.HeadBlocks.__init__
-    monkeypatch.setattr(blocks.HeadBlocks, "__init__", lambda self, *a, **k: made.append(weakref.ref(self)) or
+    init = head.HeadBlocks.__init__
+    monkeypatch.setattr(head.HeadBlocks, "__init__", lambda self, *a, **k: made.append(weakref.ref(self)) or
                         init(self, *a, **k))
     final = engine.final_grad
     monkeypatch.setattr(engine, "final_grad", lambda acc, like: alive.extend(

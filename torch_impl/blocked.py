@@ -44,7 +44,7 @@ from interop.tuning import Tuning
 from torch_impl import engine
 from torch_impl.arguments import dense
 from torch_impl.autograd import SECOND_ORDER_MESSAGE
-from torch_impl.blocks import BlockPlan, HeadBlocks, addmm_
+from torch_impl.head import BlockPlan, HeadBlocks, addmm_
 from torch_impl.kernels import FILTER_COLS, RowMath, TargetCheck, TileFilter, block_grad_, block_stats_
 from torch_impl.vocab_parallel import VocabSplit, combine_stats
 

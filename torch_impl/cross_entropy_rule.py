@@ -25,7 +25,7 @@ import torch
 
 from interop.options import CrossEntropyOptions
 from torch_impl import engine
-from torch_impl.blocks import BlockPlan, HeadBlocks
+from torch_impl.head import BlockPlan, HeadBlocks
 from torch_impl.rows import TargetRows, compute_dtype, reduce_loss, row_coefficients, row_loss
 from torch_impl.steps import TorchOps
 from torch_impl.vocab_parallel import VocabSplit, combine_stats
@@ -76,37 +76,13 @@ class CrossEntropyRule(engine.Rule):
                              self.t[rs], None, self.cw_cols, self.s[rs])
 
 
-def _blocks(x, W, b_V, layout, plan, ops, split):
-    x_ND = x if split is None else split.whole_rows(x)
-    return HeadBlocks(x_ND, W, b_V, layout, plan, logits_dtype=compute_dtype(x_ND.dtype) if ops is TorchOps else None)
-
-
-def forward(x, W, b_V, cw_V, y_N, opts: CrossEntropyOptions, weight_layout: str, plan: BlockPlan, ops,
-            split: VocabSplit | None = None):
-    """(reduced loss, lse [N]) over flattened rows x
-    [N, D] (with sequence parallel, split.rows_dim names the dimension of this rank's part
-    [..., D] of the input that the ranks split), the head W (this rank's slice with a split),
-    its bias, the full class weights cw [V] and the global targets y [N] (int64); loss and lse
-    in the compute dtype, the same on every rank of the split's group."""
-    blocks = _blocks(x, W, b_V, weight_layout, plan, ops, split)
-    cw = None if cw_V is None else cw_V.to(compute_dtype(blocks.x.dtype))
-    rule = CrossEntropyRule(blocks, cw, y_N, opts, ops, split)
-    engine.forward(rule, blocks, split=split, x=x)
-    return rule.loss(), rule.lse
-
-
-def backward(grad_loss, grad_lse, x, W, b_V, cw, y_N, lse, opts: CrossEntropyOptions, layout: str, plan: BlockPlan, ops,
-             need=(True, True, True), split: VocabSplit | None = None):
-    """(dx, dW, db) of `forward`'s outputs, None where `need` (x, W, b) is not set; cw [V]
-    in the compute dtype or None; grad_loss 0-d (or [N] for "none") or None, grad_lse [N] or None."""
-    blocks = _blocks(x, W, b_V, layout, plan, ops, split)
-    rule = CrossEntropyRule(blocks, cw, y_N, opts, ops, split, lse, grad_loss, grad_lse)
-    return engine.backward(rule, blocks, need, split, x)
-
-
 @dataclasses.dataclass
 class CrossEntropyCall(engine.Call):
-    """`forward` and `backward` on tensors (x, W, b, cw, y); outputs (reduced loss, lse [N])."""
+    """`CrossEntropyRule` on tensors (flattened rows x [N, D] (with sequence parallel,
+    split.rows_dim names the dimension of this rank's part [..., D] of the input that the
+    ranks split), the head W (this rank's slice with a split), its bias, the full class
+    weights cw [V] or None, the global targets y [N] int64); outputs (reduced loss, lse [N])
+    in the compute dtype, the same on every rank of the split's group; saved (lse,)."""
 
     opts: CrossEntropyOptions
     layout: str
@@ -119,13 +95,18 @@ class CrossEntropyCall(engine.Call):
         self.second_order = self.split is None and self.ops is TorchOps  # plain PyTorch ops: recorded
         self.kernels = self.ops is not TorchOps
 
+    def _rule(self, x, W, b, cw, y, *saved):
+        x_ND = x if self.split is None else self.split.whole_rows(x)
+        blocks = HeadBlocks(x_ND, W, b, self.layout, self.plan,
+                            logits_dtype=compute_dtype(x_ND.dtype) if self.ops is TorchOps else None)
+        cw = None if cw is None else cw.to(compute_dtype(x_ND.dtype))
+        return CrossEntropyRule(blocks, cw, y, self.opts, self.ops, self.split, *saved), blocks
+
     def forward(self, tensors, need):
-        x, W, b, cw, y = tensors
-        loss, lse = forward(x, W, b, cw, y, self.opts, self.layout, self.plan, self.ops, self.split)
-        return (loss, lse), (lse,), None
+        rule, blocks = self._rule(*tensors)
+        engine.forward(rule, blocks, split=self.split, x=tensors[0])
+        return (rule.loss(), rule.lse), (rule.lse,), None
 
     def backward(self, tensors, saved, grad_outputs, need):
-        (x, W, b, cw, y), (lse,), (grad_loss, grad_lse) = tensors, saved, grad_outputs
-        cw = None if cw is None else cw.to(lse.dtype)
-        return backward(grad_loss, grad_lse, x, W, b, cw, y, lse, self.opts, self.layout, self.plan, self.ops, need,
-                        self.split)
+        rule, blocks = self._rule(*tensors, *saved, *grad_outputs)
+        return engine.backward(rule, blocks, need, self.split, tensors[0])

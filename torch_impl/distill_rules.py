@@ -23,7 +23,7 @@ import torch
 
 from interop.distillation import DenseDistillationOptions, TopKDistillationOptions
 from torch_impl import engine
-from torch_impl.blocks import BlockPlan, HeadBlocks
+from torch_impl.head import BlockPlan, HeadBlocks
 from torch_impl.distill_rows import TopKGradRows, TopKTeacher, gather_entries, reduce_rows, row_weights, topk_row_terms
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import TorchOps
@@ -113,37 +113,15 @@ class TopKRule(engine.Rule):
         return dz
 
 
-def topk_forward(x, W, b_V, teacher: TopKTeacher, y_N, valid_N, o: TopKDistillationOptions, layout, plan, ops,
-                 num_items, grads_now=(False, False, False), active=None, split: VocabSplit | None = None):
-    """(loss, saved, grads): saved = (lse_T, lse_1, s_ids, s_y) per row for the backward
-    pass; grads = (dx, dW, db) for an upstream gradient of 1 if any of grads_now is set.
-    x: the rows [N, D]; y_N: int64, -1 where there is no (valid, in-range) target. active:
-    int64 [A], the only rows of x computed (HeadBlocks), or None; the teacher, y_N, valid_N,
-    the losses and saved are then over those A rows, dx over all of x's. split: a head split
-    over the vocabulary (W this rank's classes; teacher.ids and y_N this rank's columns, -1
-    for the others')."""
-    blocks = _head(x, W, b_V, layout, plan, ops, split, active=active)
-    one = torch.ones((), device=x.device) if any(grads_now) else None
-    rule = TopKRule(blocks, teacher, y_N, valid_N, o, ops, num_items, split, grad_loss=one)
-    grads = engine.forward(rule, blocks, grads_now, split, x)
-    return rule.total(), rule.saved, grads
-
-
-def topk_backward(grad_loss, x, W, b_V, teacher: TopKTeacher, y_N, valid_N, saved, o, layout, plan, ops, num_items,
-                  need=(True, True, True), active=None, split: VocabSplit | None = None):
-    """(dx, dW, db) recomputing the logits block by block; None where not needed; active
-    and split as for topk_forward."""
-    blocks = _head(x, W, b_V, layout, plan, ops, split, active=active)
-    rule = TopKRule(blocks, teacher, y_N, valid_N, o, ops, num_items, split, saved, grad_loss)
-    return engine.backward(rule, blocks, need, split, x)
-
-
 @dataclasses.dataclass
 class TopKCall(engine.Call):
-    """`topk_forward` and `topk_backward` on tensors (x [N, D], W, b [V] or None, y [N] int64
-    (-1: none), valid [N]); outputs (the reduced loss, fp32 or fp64 for fp64 inputs).
-    num_items: None, a number or a 0-d tensor; active: int64 [A] or None (the teacher, y and
-    valid then [A])."""
+    """`TopKRule` on tensors (x [N, D], W, b [V] or None, y [N] int64, -1 where there is no
+    (valid, in-range) target; valid [N]); outputs (the reduced loss, fp32 or fp64 for fp64
+    inputs); saved (lse_T, lse_1, s_ids, s_y) per row. num_items: None, a number or a 0-d
+    tensor; active: int64 [A], the only rows of x computed (HeadBlocks), or None (the
+    teacher, y, valid, the losses and saved are then over those A rows, dx over all of
+    x's). split: a head split over the vocabulary (W this rank's classes; the teacher's ids
+    and y this rank's columns, -1 for the others')."""
 
     teacher: TopKTeacher
     o: TopKDistillationOptions
@@ -162,14 +140,18 @@ class TopKCall(engine.Call):
         x, W, b, y, valid = tensors
         W_vocab = W.shape[0] if self.layout == "VD" else W.shape[1]
         now = _forms_grads(need, self.plan, W_vocab if self.split is None else self.split.largest, self.o.reduction)
-        loss, saved, grads = topk_forward(x, W, b, self.teacher, y, valid, self.o, self.layout, self.plan, self.ops,
-                                          self.num_items, need if now else (False,) * 3, self.active, self.split)
-        return (loss,), saved, grads if now else None
+        blocks = _head(x, W, b, self.layout, self.plan, self.ops, self.split, active=self.active)
+        one = torch.ones((), device=x.device) if now else None
+        rule = TopKRule(blocks, self.teacher, y, valid, self.o, self.ops, self.num_items, self.split, grad_loss=one)
+        grads = engine.forward(rule, blocks, need if now else (False,) * 3, self.split, x)
+        return (rule.total(),), rule.saved, grads if now else None
 
     def backward(self, tensors, saved, grad_outputs, need):
         x, W, b, y, valid = tensors
-        return topk_backward(grad_outputs[0], x, W, b, self.teacher, y, valid, saved, self.o, self.layout, self.plan,
-                             self.ops, self.num_items, need, self.active, self.split)
+        blocks = _head(x, W, b, self.layout, self.plan, self.ops, self.split, active=self.active)
+        rule = TopKRule(blocks, self.teacher, y, valid, self.o, self.ops, self.num_items, self.split, saved,
+                        grad_outputs[0])
+        return engine.backward(rule, blocks, need, self.split, x)
 
 
 # ----------------------------------------------------------------------------- dense teacher
@@ -245,38 +227,12 @@ class DenseRule(engine.Rule):
         self.t = None
 
 
-def _dense_heads(x, W, xt_ND, Wt, layout, vocab, plan, ops, active, split):
-    return (_head(x, W, None, layout, plan, ops, split, vocab, active),
-            _head(xt_ND, Wt, None, layout, plan, ops, split, vocab, active))
-
-
-def dense_forward(x, W, xt_ND, Wt, valid_N, o: DenseDistillationOptions, layout, vocab, plan, ops, num_items,
-                  grads_now=(False, False), active=None, split: VocabSplit | None = None):
-    """(loss, saved, grads) over the first `vocab` classes of both heads: saved = (lse_s,
-    lse_t, kl_q) per row; grads = (dx, dW) for an upstream gradient of 1 if grads_now. active
-    as for topk_forward (valid_N, the losses and saved over its rows). split: both heads
-    split over the vocabulary alike (W and Wt this rank's classes)."""
-    student, teacher = _dense_heads(x, W, xt_ND, Wt, layout, vocab, plan, ops, active, split)
-    one = torch.ones((), device=x.device) if any(grads_now) else None
-    rule = DenseRule(student, teacher, valid_N, o, ops, num_items, split, grad_loss=one)
-    dx, dW, _ = engine.forward(rule, student, (*grads_now, False), split, x)
-    return rule.total(), rule.saved, (dx, dW)
-
-
-def dense_backward(grad_loss, x, W, xt_ND, Wt, valid_N, saved, o, layout, vocab, plan, ops, num_items, need=(True, True),
-                   active=None, split: VocabSplit | None = None):
-    """(dx, dW) recomputing both heads' logits block by block; None where not needed; active
-    and split as for dense_forward."""
-    student, teacher = _dense_heads(x, W, xt_ND, Wt, layout, vocab, plan, ops, active, split)
-    rule = DenseRule(student, teacher, valid_N, o, ops, num_items, split, saved, grad_loss)
-    return engine.backward(rule, student, (*need, False), split, x)[:2]
-
-
 @dataclasses.dataclass
 class DenseCall(engine.Call):
-    """`dense_forward` and `dense_backward` on tensors (student x [N, D] and W, teacher xt
-    [N, Dt] and Wt (no gradient), valid [N]); outputs (the reduced loss, fp32 or fp64 for
-    fp64 inputs). vocab: the classes of both heads; num_items and active as for TopKCall."""
+    """`DenseRule` on tensors (student x [N, D] and W, teacher xt [N, Dt] and Wt (no
+    gradient), valid [N]) over the first `vocab` classes of both heads; outputs (the reduced
+    loss, fp32 or fp64 for fp64 inputs); saved (lse_s, lse_t, kl_q) per row. num_items and
+    active as for TopKCall; split: both heads split over the vocabulary alike."""
 
     o: DenseDistillationOptions
     layout: str
@@ -295,11 +251,18 @@ class DenseCall(engine.Call):
     def forward(self, tensors, need):
         x, W, xt, Wt, valid = tensors
         now = _forms_grads(need, self.plan, self.vocab if self.split is None else self.split.largest, self.o.reduction)
-        loss, saved, grads = dense_forward(x, W, xt, Wt, valid, self.o, self.layout, self.vocab, self.plan, self.ops,
-                                           self.num_items, need if now else (False, False), self.active, self.split)
-        return (loss,), saved, grads if now else None
+        student, teacher = self._heads(x, W, xt, Wt)
+        one = torch.ones((), device=x.device) if now else None
+        rule = DenseRule(student, teacher, valid, self.o, self.ops, self.num_items, self.split, grad_loss=one)
+        dx, dW, _ = engine.forward(rule, student, (*need, False) if now else (False,) * 3, self.split, x)
+        return (rule.total(),), rule.saved, (dx, dW) if now else None
 
     def backward(self, tensors, saved, grad_outputs, need):
         x, W, xt, Wt, valid = tensors
-        return dense_backward(grad_outputs[0], x, W, xt, Wt, valid, saved, self.o, self.layout, self.vocab, self.plan,
-                              self.ops, self.num_items, need, self.active, self.split)
+        student, teacher = self._heads(x, W, xt, Wt)
+        rule = DenseRule(student, teacher, valid, self.o, self.ops, self.num_items, self.split, saved, grad_outputs[0])
+        return engine.backward(rule, student, (*need, False), self.split, x)[:2]
+
+    def _heads(self, x, W, xt, Wt):
+        return tuple(_head(a, w, None, self.layout, self.plan, self.ops, self.split, self.vocab, self.active)
+                     for a, w in ((x, W), (xt, Wt)))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from torch_impl.autograd import first_order_only, scale_formed
-from torch_impl.blocks import HeadBlocks, final_grad
+from torch_impl.head import HeadBlocks, final_grad
 from torch_impl.vocab_parallel import VocabSplit
 
 

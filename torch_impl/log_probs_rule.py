@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from interop.log_probs import LogProbsOptions
 from torch_impl import engine
-from torch_impl.blocks import BlockPlan, HeadBlocks
+from torch_impl.head import BlockPlan, HeadBlocks
 from torch_impl.rows import compute_dtype
 from torch_impl.steps import TorchOps
 from torch_impl.vocab_parallel import VocabSplit, local_targets

@@ -23,7 +23,7 @@ from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight,
 from interop.tuning import Tuning
 from torch_impl import custom_ops, engine, log_probs, log_probs_rule
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
-from torch_impl.blocks import BlockPlan
+from torch_impl.head import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl.functional import (check_target_range, head_slice, runs_compiled, split_operands,
                                   valid_rows_only, whole_input)

@@ -20,7 +20,7 @@ import torch
 
 from interop.blocking import block_shape, chunk_rows, speed_extra_bytes
 from interop.tuning import Tuning
-from torch_impl.blocks import BlockPlan
+from torch_impl.head import BlockPlan
 from torch_impl.rows import compute_dtype
 
 try:
