@@ -1,6 +1,6 @@
 """The distillation losses (interop/SPEC-DISTILLATION.md) as rules of the block engine
 (`jax_impl.engine`), with the block steps of `jax_impl.steps` (Pallas kernels, or jax.numpy
-for the fallback), inside a `jax.custom_vjp`.
+for the fallback), differentiated by `engine.apply`.
 
 As in `torch_impl.distill_rules`: the top-K loss gathers s at the teacher ids from the
 blocks and writes the exact dz there over the grad kernel's dense term; the dense loss
@@ -12,7 +12,6 @@ in the forward rule; otherwise the backward rule recomputes the blocks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from interop.blocking import block_shape, chunk_rows
 from interop.distillation import DenseDistillationOptions
 from interop.tuning import Tuning
 from jax_impl import engine, partitioned
-from jax_impl.blocked import Head
+from jax_impl.head import Head
 from jax_impl.partitioned import Axes, Layout
 from jax_impl.steps import steps_of
 from jax_impl.distill_rows import (TopKGradRows, TopKTeacher, gather_entries, global_denominator, put_entries,
@@ -32,7 +31,7 @@ from jax_impl.vocab_parallel import global_lse, local_columns
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    """Static configuration of one call (a nondiff argument of the custom_vjp)."""
+    """Static configuration of one call (hashable: part of its `engine.Call`)."""
 
     options: object  # TopKDistillationOptions or DenseDistillationOptions
     weight_layout: str
@@ -217,41 +216,34 @@ def _topk_passes_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, wi
     return loss, tuple(rest[:4]), (tuple(rest[4:]) if with_grads else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+@dataclasses.dataclass(frozen=True)
+class _TopKCall(engine.Call):
+    """The reduced top-K loss over arrays (x [N, D], W, b, the teacher, y [N] int32 with -1
+    for no target, valid [N], num_items None or a 0-d array); fp32 (fp64 for fp64 inputs).
+    axis: as for `_topk_forward`."""
+
+    cfg: DistillConfig
+    axis: str | None = None
+
+    @property
+    def grads_in_forward(self):
+        return self.cfg.grads_in_forward
+
+    def forward(self, arrays, with_grads):
+        return _topk_passes_forward(*arrays, self.cfg, with_grads, self.axis)
+
+    def backward(self, arrays, saved, g_loss):
+        cfg, (x_ND, W, b_V, teacher, y_N, valid_N, num_items) = self.cfg, arrays
+        num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
+        layout = _topk_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n k"), ("n d", "W", None if b_V is None else "v"))
+        return partitioned.run(_topk_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, b_V, *teacher,
+                               y_N, valid_N, num_items, axis=self.axis, whole=cfg.unpartitioned)
+
+
 def topk_distillation(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig,
                       axis: str | None = None):
-    """The reduced top-K loss over flattened rows (x [N, D], y [N] int32 with -1 for no
-    target, valid [N], num_items None or a 0-d array); fp32 (fp64 for fp64 inputs). axis:
-    as for `_topk_forward`."""
-    return _topk_passes_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, False, axis)[0]
-
-
-def _topk_fwd(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, axis):
-    args = (teacher, y_N, valid_N, num_items)
-    if cfg.grads_in_forward:
-        loss, _, grads = _topk_passes_forward(x_ND, W, b_V, *args, cfg, True, axis)
-        return loss, (True, grads)
-    loss, saved, _ = _topk_passes_forward(x_ND, W, b_V, *args, cfg, False, axis)
-    return loss, (False, (x_ND, W, b_V, args, saved))
-
-
-def _scaled(grads, g):
-    return tuple(None if a is None else (a * g.astype(jnp.float32)).astype(a.dtype) for a in grads)
-
-
-def _topk_bwd(cfg, axis, res, g_loss):
-    in_forward, payload = res
-    if in_forward:
-        return _scaled(payload, g_loss) + (None,) * 4
-    x_ND, W, b_V, (teacher, y_N, valid_N, num_items), saved = payload
-    num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
-    layout = _topk_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n k"), ("n d", "W", None if b_V is None else "v"))
-    grads = partitioned.run(_topk_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, b_V, *teacher,
-                            y_N, valid_N, num_items, axis=axis, whole=cfg.unpartitioned)
-    return grads + (None,) * 4
-
-
-topk_distillation.defvjp(_topk_fwd, _topk_bwd)
+    """`_TopKCall`'s loss through `engine.apply`."""
+    return engine.apply(_TopKCall(cfg, axis), x_ND, W, b_V, teacher, y_N, valid_N, num_items)
 
 
 # ----------------------------------------------------------------------------- dense teacher
@@ -370,31 +362,31 @@ def _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grad
     return loss, tuple(rest[:3]), (tuple(rest[3:]) if with_grads else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def dense_distillation(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, axis: str | None = None):
-    """The reduced dense-teacher loss over flattened rows (student x [N, D], teacher xt
-    [N, Dt]; the teacher gets no gradient); fp32 (fp64 for fp64 inputs). axis: as for
+@dataclasses.dataclass(frozen=True)
+class _DenseCall(engine.Call):
+    """The reduced dense-teacher loss over arrays (student x [N, D] and W, teacher xt [N, Dt]
+    and Wt (no gradient), valid [N], num_items); fp32 (fp64 for fp64 inputs). axis: as for
     `_dense_forward`."""
-    return _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, False, axis)[0]
+
+    cfg: DistillConfig
+    axis: str | None = None
+    n_grads = 2
+
+    @property
+    def grads_in_forward(self):
+        return self.cfg.grads_in_forward
+
+    def forward(self, arrays, with_grads):
+        return _dense_passes_forward(*arrays, self.cfg, with_grads, self.axis)
+
+    def backward(self, arrays, saved, g_loss):
+        cfg, (x_ND, W, xt_ND, Wt, valid_N, num_items) = self.cfg, arrays
+        num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
+        layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n"), ("n d", "W"))
+        return partitioned.run(_dense_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, xt_ND, Wt, valid_N,
+                               num_items, axis=self.axis, whole=cfg.unpartitioned)
 
 
-def _dense_fwd(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, axis):
-    if cfg.grads_in_forward:
-        loss, _, grads = _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, True, axis)
-        return loss, (True, grads)
-    loss, saved, _ = _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, False, axis)
-    return loss, (False, (x_ND, W, xt_ND, Wt, valid_N, num_items, saved))
-
-
-def _dense_bwd(cfg, axis, res, g_loss):
-    in_forward, payload = res
-    if in_forward:
-        return _scaled(payload, g_loss) + (None,) * 4
-    x_ND, W, xt_ND, Wt, valid_N, num_items, saved = payload
-    num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
-    layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n"), ("n d", "W"))
-    return partitioned.run(_dense_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, xt_ND, Wt, valid_N,
-                           num_items, axis=axis, whole=cfg.unpartitioned) + (None,) * 4
-
-
-dense_distillation.defvjp(_dense_fwd, _dense_bwd)
+def dense_distillation(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, axis: str | None = None):
+    """`_DenseCall`'s loss through `engine.apply` (the teacher gets no gradient)."""
+    return engine.apply(_DenseCall(cfg, axis), x_ND, W, xt_ND, Wt, valid_N, num_items)

@@ -1,18 +1,21 @@
 """The block loop of the losses driven by block steps (JAX): each loss is a `Rule` (its
 per-row math, functional) that `forward` and `backward` trace into one row loop
-(`jax_impl.rows.row_loop`) over column loops (`jax_impl.blocked.Head.col_loop`).
+(`jax_impl.rows.row_loop`) over column loops (`jax_impl.head.Head.col_loop`).
 
 A rule works on a row block's per-row operands `xs` (a tuple of [R, ...] arrays whose first
 is x's rows; which others is the rule's), and on logits blocks z [R, C] (no bias):
 
 - forward: `init` gives the running statistics, `stats` merges each column block into them,
   `sweeps` times (a dense teacher's divergence needs lse first: two sweeps), `done` combines
-  them over a split head's axis after each sweep, `outputs` gives the row block's per-row
+  them over a split head's axis after each sweep (without gradients and with one sweep,
+  once for every row after the loop), `outputs` gives the row block's per-row
   outputs. With `with_grads` (blocks of whole rows), `coefficients` and `grad` turn the same
   logits into dz, whose products give the gradients for an upstream gradient of 1: 6 N D V
   flops.
 - backward: `coefficients` from the saved per-row values and upstream gradients in xs, then
   `grad` on each recomputed block: 8 N D V flops in all.
+
+`apply` is every loss's `jax.custom_vjp`, over a `Call` (the loss's passes).
 
 The loop owns the rest once for every loss: grad_weight (and the bias') accumulators, the
 row block's fp32 grad_input summed over column blocks, the rows computed (`keep`), and a
@@ -21,9 +24,12 @@ head split over the vocabulary along a shard_map axis (grad_input summed over it
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
-from jax_impl.blocked import Head
+from jax_impl.head import Head
 from jax_impl.rows import compute_dtype, row_loop
 from jax_impl.vocab_parallel import summed_grad_input
 
@@ -75,12 +81,15 @@ def _dx_rows(dx_R, x_R, axis):
 
 
 def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads: bool = False, accumulate_dtype=None,
-            keep=None, axis: str | None = None):
+            keep=None, axis: str | None = None, tail_split: int = 1):
     """(outputs, grads): the rule's per-row outputs over all rows ([N, ...] each; rows not
     in `keep` (bool [N]) get zeros), and with `with_grads` (dx, dW, db) for an upstream
     gradient of 1 (grad_weight accumulated in accumulate_dtype), else None. per_row: [N,
-    ...] arrays, x first; axis: a split head's shard_map axis."""
+    ...] arrays, x first; axis: a split head's shard_map axis; tail_split: `row_loop`'s."""
     wide = compute_dtype(head.x.dtype)
+    # without gradients, a one-sweep rule's statistics are combined over the axis once, for every row
+    at_once = axis is not None and not with_grads and rule.sweeps == 1 and keep is None
+    structure = []  # of the statistics, which the loop then returns as a flat tuple
 
     def row_step(carry, xs):
         x_R, state = xs[0], rule.init(xs)
@@ -91,23 +100,30 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
             else:
                 body = lambda v0, cols, st: rule.stats(head.col_logits(x_R, v0, cols), v0, xs, st, sweep)
                 state = head.col_loop(body, state)
+            if at_once:
+                leaves, tree = jax.tree.flatten(state)
+                structure.append(tree)
+                return carry, tuple(leaves)
             state = rule.done(xs, state, sweep)
         outs = rule.outputs(xs, state)
         if not with_grads:
             return carry, outs
         dz = rule.grad(z, 0, xs, rule.coefficients(xs, state))
-        dW, db, dx_R = head.add_shares(dz, x_R, 0, head.vocab, *carry, jnp.zeros(x_R.shape, wide))
-        return (dW, db), outs + (_dx_rows(dx_R, x_R, axis),)
+        dW, db, dx_R = head.add_row_shares(dz, x_R, *carry, wide if axis is not None else x_R.dtype)
+        return (dW, db), outs + (dx_R,)
 
     carry = _buffers(head, accumulate_dtype, head.b is not None) if with_grads else ()
-    carry, outs = row_loop(row_step, carry, per_row, head.x.shape[0], block_rows, keep)
+    carry, outs = row_loop(row_step, carry, per_row, head.x.shape[0], block_rows, keep, tail_split)
+    if at_once:
+        state = jax.tree.unflatten(structure[0], outs)
+        return rule.outputs(per_row, rule.done(per_row, state, 0)), None
     if not with_grads:
         return outs, None
     return outs[:-1], _grads(head, outs[-1], carry, axis)
 
 
 def backward(rule: Rule, head: Head, per_row: tuple, block_rows: int, accumulate_dtype, keep=None,
-             axis: str | None = None):
+             axis: str | None = None, tail_split: int = 1):
     """(dx, dW, db) recomputing the logits block by block; per_row as for `forward`, with
     the saved values and upstream gradients the rule's coefficients read."""
     wide = compute_dtype(head.x.dtype)
@@ -123,5 +139,54 @@ def backward(rule: Rule, head: Head, per_row: tuple, block_rows: int, accumulate
         return (dW, db), (_dx_rows(dx_R, x_R, axis),)
 
     carry, (dx,) = row_loop(row_step, _buffers(head, accumulate_dtype, head.b is not None), per_row, head.x.shape[0],
-                            block_rows, keep)
+                            block_rows, keep, tail_split)
     return _grads(head, dx, carry, axis)
+
+
+class Call:
+    """One call of a loss as `apply` differentiates it: its configuration (hashable, a static
+    argument) and its passes over arrays (pytrees; the first `n_grads` take gradients).
+
+    `forward(arrays, with_grads)` -> (outputs, saved, grads): the outputs (an array or a
+    tuple; the first is a reduced loss where gradients are formed), what the backward rule
+    reads, and with `with_grads` the gradients for an upstream gradient of 1 (else None).
+    `backward(arrays, saved, cotangents)` -> the n_grads gradients. `grads_in_forward`:
+    whether the forward rule forms them (a plan of whole rows and a reduced loss)."""
+
+    n_grads = 3
+    grads_in_forward = False
+
+    def forward(self, arrays, with_grads: bool):
+        raise NotImplementedError
+
+    def backward(self, arrays, saved, cotangents):
+        raise NotImplementedError
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def apply(call: Call, *arrays):
+    """call's outputs. Under differentiation, gradients formed in the forward rule are scaled
+    by the upstream gradient in fp32 (rounding it to a 16-bit gradient's dtype first would
+    scale it wrongly); otherwise the backward rule runs `call.backward`."""
+    return call.forward(arrays, False)[0]
+
+
+def _apply_fwd(call: Call, *arrays):
+    if call.grads_in_forward:
+        outputs, _, grads = call.forward(arrays, True)
+        return outputs, (grads, (None,) * len(arrays), None)
+    outputs, saved, _ = call.forward(arrays, False)
+    return outputs, (None, arrays, saved)
+
+
+def _apply_bwd(call: Call, res, cotangents):
+    grads, arrays, saved = res
+    if grads is None:
+        grads = call.backward(arrays, saved, cotangents)
+    else:
+        g = (cotangents[0] if isinstance(cotangents, tuple) else cotangents).astype(jnp.float32)
+        grads = tuple(None if a is None else (a * g).astype(a.dtype) for a in grads)
+    return tuple(grads) + (None,) * (len(arrays) - len(grads))
+
+
+apply.defvjp(_apply_fwd, _apply_bwd)

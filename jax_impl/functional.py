@@ -14,7 +14,7 @@ from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs
                              target_out_of_range_message)
 from interop.tuning import Tuning
 from jax_impl import blocked, kernels
-from jax_impl.function import blocked_linear_cross_entropy
+from jax_impl.cross_entropy_rule import blocked_linear_cross_entropy
 from jax_impl.rows import narrow_targets
 from jax_impl.sharding import on_mesh, row_spec, varying_axes, with_rows_axes
 

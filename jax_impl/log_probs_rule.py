@@ -1,6 +1,6 @@
 """Log-probabilities (interop/SPEC.md, "Log-probabilities") as a rule of the block engine
 (`jax_impl.engine`), with the "log_prob" steps of `jax_impl.steps`: Pallas kernels
-("speed", "memory") or jax.numpy ("chunked"), inside a `jax.custom_vjp`. The forward pass
+("speed", "memory") or jax.numpy ("chunked"), differentiated by `engine.apply`. The forward pass
 merges each block into per-row running statistics and keeps lse and the entropy; the
 backward rule recomputes each block and turns the upstream gradients into dz.
 `forward_with_grads` serves a loss whose upstream gradients each row's own values decide
@@ -9,7 +9,7 @@ backward rule recomputes each block and turns the upstream gradients into dz.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -166,22 +166,28 @@ def _with_grads_pass(static, axes: Axes, x_ND, W, b_V, y_N, keep, *per_row):
     return (logp, entropy) + grads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@dataclasses.dataclass(frozen=True)
+class _LogProbsCall(engine.Call):
+    """(log_probs [N], entropy [N], argmax [N] int32) over arrays (x [N, D], W, b, int32
+    targets y [N]); fp32 (fp64 for fp64 inputs). with_entropy: whether the entropy's
+    upstream gradient is used; axis: as for `forward`."""
+
+    cfg: DistillConfig
+    with_entropy: bool
+    axis: str | None = None
+
+    def forward(self, arrays, with_grads):
+        logp, entropy, argmax, lse = forward(*arrays, self.cfg, axis=self.axis)
+        return (logp, entropy, argmax), (lse, entropy), None
+
+    def backward(self, arrays, saved, cotangents):
+        g_lp, g_H, _ = cotangents
+        return grads(*arrays, *saved, g_lp, g_H if self.with_entropy else None, self.cfg, axis=self.axis)
+
+
 def log_probs(x_ND, W, b_V, y_N, cfg: DistillConfig, with_entropy: bool, axis: str | None = None):
-    """(log_probs [N], entropy [N], argmax [N] int32) over flattened rows x [N, D] and int32
-    targets y [N]; fp32 (fp64 for fp64 inputs). with_entropy: whether the entropy's upstream
-    gradient is used; axis: as for `forward`."""
-    return forward(x_ND, W, b_V, y_N, cfg, axis=axis)[:3]
-
-
-def _fwd(x_ND, W, b_V, y_N, cfg, with_entropy, axis):
-    logp, entropy, argmax, lse = forward(x_ND, W, b_V, y_N, cfg, axis=axis)
-    return (logp, entropy, argmax), (x_ND, W, b_V, y_N, lse, entropy)
-
-
-def _bwd(cfg, with_entropy, axis, res, cotangents):
-    g_lp, g_H, _ = cotangents
-    return grads(*res, g_lp, g_H if with_entropy else None, cfg, axis=axis) + (None,)
+    """`_LogProbsCall`'s outputs through `engine.apply`."""
+    return engine.apply(_LogProbsCall(cfg, with_entropy, axis), x_ND, W, b_V, y_N)
 
 
 def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=None, axis: str | None = None):
@@ -200,5 +206,3 @@ def _grads_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, lse, entropy,
     return engine.backward(_LogProbsRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V), per_row, cfg.block_rows,
                            cfg.accumulate_dtype(W.dtype), keep, axis)
 
-
-log_probs.defvjp(_fwd, _bwd)

@@ -2,18 +2,16 @@
 `logitless.torch.linear_policy_loss` (interop/SPEC.md, "Policy loss"): the clipped policy-gradient
 loss of PPO and GRPO on a linear head, without the N x V logits.
 
-One `jax.custom_vjp`: "speed" forms the gradients in the forward rule from one product per
+One `engine.Call`: "speed" forms the gradients in the forward rule from one product per
 block of whole rows (`log_probs_rule.forward_with_grads`, 6 N D V flops) and the backward rule
-scales them; "memory" and "chunked" keep the log-probabilities and entropy and recompute the
+scales them (in fp32); "memory" and "chunked" keep the log-probabilities and entropy and recompute the
 logits in the backward rule (`log_probs_rule.grads`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -22,6 +20,7 @@ from interop.blocking import skipping_pays
 from interop.log_probs import LogProbsOptions
 from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
 from interop.tuning import Tuning
+from jax_impl import engine
 from jax_impl.distill_rules import DistillConfig
 from jax_impl.functional import as_array, choose_strategy, platform_of
 from jax_impl.log_probs import checked_call, plan
@@ -55,39 +54,43 @@ def _keep(cfg: DistillConfig, skip: bool, y_N):
     return (y_N != cfg.options.ignore_index) if skip else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+@dataclasses.dataclass(frozen=True)
+class _PolicyCall(engine.Call):
+    """The loss (0-d, fp32; fp64 for fp64 inputs) over arrays (x [N, D], W, b, int32
+    targets y [N], the per-token arrays: a dict of [N] in the compute dtype, absent keys
+    None; they get no gradient). skip: compute only the rows not ignored; axis: the
+    shard_map axis of a head split over the vocabulary (`log_probs_rule.forward`), or None."""
+
+    cfg: DistillConfig
+    o: PolicyLossOptions
+    skip: bool
+    axis: str | None = None
+
+    @property
+    def grads_in_forward(self):
+        return self.cfg.strategy == "speed"
+
+    def forward(self, arrays, with_grads):
+        x_ND, W, b_V, y_N, tokens = arrays
+        keep, cfg = _keep(self.cfg, self.skip, y_N), self.cfg
+        if with_grads:
+            logp, entropy, *grads = forward_with_grads(x_ND, W, b_V, y_N, (y_N,) + tuple(tokens.values()), cfg,
+                                                       _Upstream(self.o, cfg, tuple(tokens)), keep, self.axis)
+            return _terms(self.o, cfg, y_N, logp, entropy, tokens)[0].sum(), None, tuple(grads)
+        logp, entropy, _, lse = forward(x_ND, W, b_V, y_N, cfg, keep, self.axis)
+        return _terms(self.o, cfg, y_N, logp, entropy, tokens)[0].sum(), (logp, entropy, lse), None
+
+    def backward(self, arrays, saved, g_loss):
+        (x_ND, W, b_V, y_N, tokens), (logp, entropy, lse) = arrays, saved
+        _, g, g_h = _terms(self.o, self.cfg, y_N, logp, entropy, tokens)
+        return grads(x_ND, W, b_V, y_N, lse, entropy, g * g_loss, None if g_h is None else g_h * g_loss, self.cfg,
+                     _keep(self.cfg, self.skip, y_N), self.axis)
+
+
 def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLossOptions, skip: bool,
                 axis: str | None = None):
-    """The loss (0-d, fp32; fp64 for fp64 inputs) over flattened rows x [N, D], int32 targets
-    y [N] and the per-token arrays (a dict of [N] in the compute dtype; absent keys are None);
-    skip: compute only the rows not ignored; axis: the shard_map axis of a head split over
-    the vocabulary (`log_probs_rule.forward`), or None."""
-    logp, entropy, _, _ = forward(x_ND, W, b_V, y_N, cfg, _keep(cfg, skip, y_N), axis)
-    return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum()
-
-
-def _fwd(x_ND, W, b_V, y_N, tokens, cfg, o, skip, axis):
-    keep = _keep(cfg, skip, y_N)
-    if cfg.strategy == "speed":
-        logp, entropy, dx, dW, db = forward_with_grads(x_ND, W, b_V, y_N, (y_N,) + tuple(tokens.values()), cfg,
-                                                       _Upstream(o, cfg, tuple(tokens)), keep, axis)
-        return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((dx, dW, db), tokens)
-    logp, entropy, _, lse = forward(x_ND, W, b_V, y_N, cfg, keep, axis)
-    return _terms(o, cfg, y_N, logp, entropy, tokens)[0].sum(), ((x_ND, W, b_V, y_N, logp, entropy, lse), tokens)
-
-
-def _bwd(cfg, o, skip, axis, res, g_loss):
-    saved, tokens = res
-    no_tokens = jax.tree.map(jnp.zeros_like, tokens)
-    if cfg.strategy == "speed":
-        return tuple(None if g is None else (g * g_loss).astype(g.dtype) for g in saved) + (None, no_tokens)
-    x_ND, W, b_V, y_N, logp, entropy, lse = saved
-    _, g, g_h = _terms(o, cfg, y_N, logp, entropy, tokens)
-    return grads(x_ND, W, b_V, y_N, lse, entropy, g * g_loss, None if g_h is None else g_h * g_loss, cfg,
-                 _keep(cfg, skip, y_N), axis) + (None, no_tokens)
-
-
-policy_loss.defvjp(_fwd, _bwd)
+    """`_PolicyCall`'s loss through `engine.apply`."""
+    return engine.apply(_PolicyCall(cfg, o, skip, axis), x_ND, W, b_V, y_N, tokens)
 
 
 def _per_token(name: str, value, shape, wide):

@@ -10,7 +10,7 @@
 - Manual axes (inside `jax.shard_map`, whose default check_vma=True types every value
   with the axes it varies over): the operands are cast to vary over every axis that any of
   them varies over (`vary`), and so are the loops' initial carries, built from constants
-  (`rows.row_loop`, `blocked.Head.col_loop`), and the Pallas kernels' outputs (`struct`),
+  (`rows.row_loop`, `head.Head.col_loop`), and the Pallas kernels' outputs (`struct`),
   so that each loop's carry keeps one type. JAX transposes the cast of an operand that
   did not vary (a replicated head) into the sum of its gradient over those axes. (Pallas'
   interpreter, which the tests run, needs more: `kernels._interpret_varying`.)

@@ -293,7 +293,7 @@ def test_jax_column_remainder_shares_the_loops_buffers():
 
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import BlockedConfig
-    from jax_impl.function import blocked_linear_cross_entropy
+    from jax_impl.cross_entropy_rule import blocked_linear_cross_entropy
 
     n, d = 8192, 2304
     cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "memory", "tiles", 2816, 2048, False, True,

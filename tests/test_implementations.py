@@ -215,7 +215,7 @@ def test_whole_row_blocks_write_no_logits_over_grad_input_rows_still_needed():
     the first blocks are larger than the scratch alone holds."""
     import torch
 
-    from torch_impl.blocks import BlockPlan, HeadBlocks
+    from torch_impl.head import BlockPlan, HeadBlocks
 
     n_all, D, V, scratch = 40, 7, 23, 3 * 23
     active = torch.tensor([0, 2, 3, 5, 8, 9, 13, 17, 18, 21, 22, 25, 30, 31, 33, 34, 38, 39])
@@ -243,7 +243,7 @@ def test_memory_plans_in_whole_rows():
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import plan
     from torch_impl.blocked import plan_blocks
-    from torch_impl.blocks import BlockPlan
+    from torch_impl.head import BlockPlan
 
     t = WHOLE_ROW_MEMORY
     assert plan_blocks(t, "memory", 13, 19, 53, torch.float32, False) == BlockPlan("memory", "rows", 4, 53, torch.float32,
@@ -390,7 +390,7 @@ def _jax_speed_temp_bytes(n: int, hidden: int, vocab: int, rows: int, return_lse
 
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import BlockedConfig
-    from jax_impl.function import blocked_linear_cross_entropy
+    from jax_impl.cross_entropy_rule import blocked_linear_cross_entropy
 
     cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "speed", "rows", rows, vocab, True,
                         return_lse, interpret=True, skip_ignored=skip, fused_stats=False, tuning=DEFAULT)
@@ -702,7 +702,7 @@ def test_weight_grad_slabs_add_column_blocks_anywhere(layout, blocks):
     once to bf16 (zeros where no block went). SMALL: 5 slabs of 11 classes (the last 9)."""
     import torch
 
-    from torch_impl.blocks import WeightGrad
+    from torch_impl.head import WeightGrad
 
     torch.manual_seed(3)
     V, D, R = 53, 19, 7

@@ -89,18 +89,18 @@ def test_skipping_in_whole_row_memory_matches_reference(skipping, case, dtype, l
 
 @pytest.fixture
 def jax_skipping(monkeypatch):
-    """As `skipping` for JAX: the list of `keep` arguments that jax_impl.blocked's row loops
-    receive (at trace time)."""
-    import jax_impl.blocked
+    """As `skipping` for JAX: the list of `keep` arguments that the block engine's row loops
+    (jax_impl.engine) receive (at trace time)."""
+    import jax_impl.engine
 
     seen = []
-    row_loop = jax_impl.blocked.row_loop
+    row_loop = jax_impl.engine.row_loop
 
     def spy(*args):
         seen.append(args[5] if len(args) > 5 else None)
         return row_loop(*args)
 
-    monkeypatch.setattr(jax_impl.blocked, "row_loop", spy)
+    monkeypatch.setattr(jax_impl.engine, "row_loop", spy)
     return seen
 
 
