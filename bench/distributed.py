@@ -96,7 +96,8 @@ def run(shapes, methods, dtype, repeat: int, weak: bool, loss: str = "cross_entr
         n, d, v = measure.PRESETS[name] if name in measure.PRESETS else tuple(int(k) for k in name.split("x"))
         n = n * world if weak else n
         x, W_full, y = measure.make_inputs(n, d, v, dtype, device)
-        W = W_full.tensor_split(world)[rank].contiguous()
+        # the classes split as a DTensor's Shard splits them (torch.chunk), which loss_parallel's layout assumes
+        W = W_full.chunk(world)[rank].contiguous()
         del W_full
         for mname in methods:
             if mname.startswith("one-gpu") and world > 1:

@@ -1,11 +1,13 @@
 """The README's Distributed table, from the JSON the multi-GPU benchmarks write into bench/results.
 
 Files read (each optional; the section exists when `distributed_1gpu.json` and one
-`distributed_<P>gpu.json` with P > 1 do), P being the largest rank count found:
+`distributed_<P>gpu.json` with P > 1 do), for each rank count P > 1 found (a table each, and
+with several, the split head's scaling over them):
 - `distributed_1gpu.json`, `distributed_<P>gpu.json`, `distributed_<P>gpu_weak.json`:
   `torchrun --nproc-per-node {1,P} -m bench.distributed [--weak]` (the split head);
-- `fsdp_model_<P>gpu.json`, `fsdp_model_tp_<P>gpu.json`: `bench.fsdp_model` (FSDP2, and
-  `--head tp`);
+- `fsdp_model_<P>gpu.json`, `fsdp_model_tp_<P>gpu.json`, `fsdp_model_2d_<P>gpu.json`:
+  `bench.fsdp_model` (FSDP2, `--head tp`, and `--tp T`: FSDP2 with the head split over a
+  (dp, tp) mesh);
 - `split_1gpu_<loss>.json`, `split_<P>gpu_<loss>.json` (loss: topk, log_probs, policy):
   `bench.distributed --loss <loss>`, the other losses' split heads;
 - `jax_mesh_1gpu.json`, `jax_mesh_<P>gpu_vocab.json`, `jax_mesh_<P>gpu_rows.json`:
@@ -35,23 +37,34 @@ def _load(folder: str, name: str):
         return json.load(f)
 
 
-def ranks_measured(folder: str) -> int | None:
-    """The largest P > 1 of a `distributed_<P>gpu.json` in folder, or None."""
+def ranks_measured(folder: str) -> list[int]:
+    """Every P > 1 of a `distributed_<P>gpu.json` in folder, ascending."""
     found = [int(m.group(1)) for f in os.listdir(folder) if (m := re.fullmatch(r"distributed_(\d+)gpu\.json", f))]
-    found = [p for p in found if p > 1]
-    return max(found) if found else None
+    return sorted(p for p in found if p > 1)
 
 
 def _gib(mib) -> str:
     return "-" if mib is None else f"{mib / 1024:.2f}"
 
 
+def _find(data: dict | None, shape: str, method: str) -> dict | None:
+    return next((r for r in (data or {}).get("results", []) if r["shape"] == shape and r["method"] == method), None)
+
+
+def _peak(r: dict | None) -> str:
+    """The per-GPU peak beyond the inputs (GiB) and its ratio to the rank's floor (its slice
+    of grad_weight and grad_input)."""
+    if r is None or r["peak_extra_mib_per_rank"][0] is None:
+        return "-"
+    top = max(r["peak_extra_mib_per_rank"])
+    return f"{_gib(top)} ({top / r['local_floor_mib']:.2f}x)"
+
+
 def _split_head_rows(one: dict, many: dict, weak: dict | None, p: int) -> list[list[str]]:
     """Per shape and method: ms on 1 GPU (a group of one) and on P, the speed-up over one
     GPU's unsplit "speed" call, the weak run's ms and efficiency, the per-GPU peak at P (x
-    the rank's floor: its slice of grad_weight and grad_input)."""
-    find = lambda data, shape, method: next((r for r in (data or {}).get("results", [])
-                                             if r["shape"] == shape and r["method"] == method), None)
+    the rank's floor)."""
+    find = _find
     rows = []
     for shape in dict.fromkeys(r["shape"] for r in many["results"]):
         base = find(one, shape, "one-gpu-speed")
@@ -63,10 +76,7 @@ def _split_head_rows(one: dict, many: dict, weak: dict | None, p: int) -> list[l
             speedup = "-" if rp is None or base is None else f"{base['fwd_bwd_ms'] / rp['fwd_bwd_ms']:.2f}x"
             weak_cell = "-" if rw is None or r1 is None else \
                 f"{rw['fwd_bwd_ms']:.1f} ({100 * r1['fwd_bwd_ms'] / rw['fwd_bwd_ms']:.0f}%)"
-            peak = "-"
-            if rp is not None and rp["peak_extra_mib_per_rank"][0] is not None:
-                top = max(rp["peak_extra_mib_per_rank"])
-                peak = f"{_gib(top)} ({top / rp['local_floor_mib']:.2f}x)"
+            peak = _peak(rp)
             label = "one GPU, unsplit" if method == "one-gpu-speed" else method
             rows.append([f"{shape} {n}x{d}x{v} split head", label, f"{r1['fwd_bwd_ms']:.1f}" if r1 else "-",
                          f"{rp['fwd_bwd_ms']:.1f}" if rp else "-", speedup, weak_cell, peak])
@@ -150,12 +160,41 @@ def _jax_loss_rows(records: list, p: int) -> list[list[str]]:
     return rows
 
 
-def distributed_section(folder: str) -> str | None:
-    """The section's text (a caption, then the table), or None without the split head's runs."""
-    p = ranks_measured(folder)
+def _scaling_table(folder: str, ps: list[int]) -> str:
+    """The split head at every P measured, one row per shape and method: ms on 1 GPU, on
+    each P (with the speed-up over one GPU's unsplit "speed" call), P x the rows on P
+    (weak: ms and efficiency) and the per-GPU peak at each P (x the rank's floor)."""
     one = _load(folder, "distributed_1gpu.json")
-    if p is None or one is None:
-        return None
+    strong = {p: _load(folder, f"distributed_{p}gpu.json") for p in ps}
+    weak = {p: _load(folder, f"distributed_{p}gpu_weak.json") for p in ps}
+    head = ["workload", "method", "1 GPU: ms", *(f"{p} GPUs: ms (speed-up)" for p in ps),
+            *(f"{p} GPUs, {p}x rows: ms (efficiency)" for p in ps), *(f"{p} GPUs: peak GiB (x floor)" for p in ps)]
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in one["results"]):
+        base = _find(one, shape, "one-gpu-speed")
+        for method in dict.fromkeys(r["method"] for r in one["results"] if r["shape"] == shape):
+            if method.startswith("one-gpu"):
+                continue
+            r1 = _find(one, shape, method)
+            cells = [f"{shape} {r1['N']}x{r1['D']}x{r1['V']}", method, f"{r1['fwd_bwd_ms']:.1f}"]
+            for p in ps:
+                rp = _find(strong[p], shape, method)
+                cells.append("-" if rp is None else f"{rp['fwd_bwd_ms']:.1f}" + (
+                    f" ({base['fwd_bwd_ms'] / rp['fwd_bwd_ms']:.2f}x)" if base else ""))
+            for p in ps:
+                rw = _find(weak[p], shape, method)
+                cells.append("-" if rw is None else f"{rw['fwd_bwd_ms']:.1f} ({100 * r1['fwd_bwd_ms'] / rw['fwd_bwd_ms']:.0f}%)")
+            cells += [_peak(_find(strong[p], shape, method)) for p in ps]
+            rows.append(cells)
+    env = one["environment"]
+    text = (f"Split-head scaling, cross-entropy, on 1 to {ps[-1]} x {env['device']} (NCCL), {env['dtype']}, "
+            f"{env['date'][:10]} (`bench/results/distributed_*`): the tables below say what each column measures.\n\n")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    return text + "\n".join(lines) + "\n"
+
+
+def _table(folder: str, p: int, one: dict) -> str:
+    """The caption and table of every workload measured on P GPUs."""
     many = _load(folder, f"distributed_{p}gpu.json")
     env = many["environment"]
     rows = _split_head_rows(one, many, _load(folder, f"distributed_{p}gpu_weak.json"), p)
@@ -165,6 +204,7 @@ def distributed_section(folder: str) -> str | None:
             rows += _loss_rows(loss_one, loss_many, p, loss)
     rows += _model_rows(_load(folder, f"fsdp_model_{p}gpu.json"), "FSDP2")
     rows += _model_rows(_load(folder, f"fsdp_model_tp_{p}gpu.json"), "head split by tensor parallelism")
+    rows += _model_rows(_load(folder, f"fsdp_model_2d_{p}gpu.json"), "FSDP2 and a tensor-parallel head (2-D mesh)")
     jax_one = _load(folder, "jax_mesh_1gpu.json")
     rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_vocab.json"), f"head split over {p} GPUs")
     rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_rows.json"), f"rows sharded over {p} GPUs")
@@ -177,9 +217,20 @@ def distributed_section(folder: str) -> str | None:
             f"rows on {p} GPUs (efficiency: the 1-GPU time over it); peak: each GPU's memory beyond its inputs, over "
             f"its floor (its slice of grad_weight and grad_input). `loss-parallel`: PyTorch's `loss_parallel` on "
             f"materialised logits. Model: a training step (4 layers, D 2048, V 128256, bf16), each GPU its own rows "
-            f"(FSDP2) or the same rows (tensor-parallel head). JAX: `jax.jit` of the unchanged call on sharded "
-            f"arrays; naive: XLA on materialised logits.\n\n")
+            f"(FSDP2), the same rows (tensor-parallel head), or both on a (dp, tp) mesh. JAX: `jax.jit` of the "
+            f"unchanged call on sharded arrays; naive: XLA on materialised logits.\n\n")
     head = ["workload", "method", "1 GPU: ms", f"{p} GPUs: ms", "speed-up over 1 GPU", f"{p} GPUs, {p}x rows: ms (weak)",
             f"{p} GPUs: peak GiB per GPU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     return text + "\n".join(lines) + "\n"
+
+
+def distributed_section(folder: str) -> str | None:
+    """The section's text (the split head's scaling over every P measured, then a table per
+    P), or None without the split head's runs."""
+    ps = ranks_measured(folder)
+    one = _load(folder, "distributed_1gpu.json")
+    if not ps or one is None:
+        return None
+    tables = [_table(folder, p, one) for p in ps]
+    return "\n".join(([_scaling_table(folder, ps)] if len(ps) > 1 else []) + tables)

@@ -1,5 +1,7 @@
 """`torchrun --nproc-per-node P -m bench.fsdp_model`: a training step of a Llama-like Hugging
-Face model under FSDP2 (or, with `--head tp`, its head split by tensor parallelism), patched
+Face model under FSDP2 (with `--head tp`, only its head split by tensor parallelism; with
+`--head 2d --tp T`, both: a (dp, tp) mesh, the head split over "tp" and everything sharded by
+FSDP2 over "dp", as torchtitan composes them), patched
 (`torch_impl.transformers.patch_causal_lm`), unpatched, and with Liger's patch (where
 liger-kernel imports; its Triton kernels need a GPU).
 
@@ -34,7 +36,8 @@ TINY = dict(vocab_size=1001, hidden_size=32, intermediate_size=64, num_hidden_la
 def build(config: dict, method: str, mesh, dtype, device, head: str = "fsdp"):
     """The sharded model of `method`: the same weights (seed 0) for every method. head="tp":
     the head split over its vocabulary by tensor parallelism (ColwiseParallel, its logits
-    gathered, as transformers' "colwise_gather_output"), the decoder replicated."""
+    gathered, as transformers' "colwise_gather_output"), the decoder replicated; "2d" (a
+    (dp, tp) mesh): the head split so over "tp", then FSDP2 over "dp"."""
     import transformers
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
@@ -50,33 +53,45 @@ def build(config: dict, method: str, mesh, dtype, device, head: str = "fsdp"):
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
-    if head == "tp":
-        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
-        return model
+    if head != "fsdp":
+        parallelize_module(model, mesh if head == "tp" else mesh["tp"],
+                           {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+        if head == "tp":
+            return model
+        mesh = mesh["dp"]
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def batch(config: dict, rows: int, seq: int, device, same_rows: bool = False):
-    """This rank's input_ids and labels [rows, seq] (10% of labels -100; the same on every
-    rank with same_rows), and the global count of valid (shifted) labels."""
-    gen = torch.Generator(device=device).manual_seed(1 + (0 if same_rows else dist.get_rank()))
+def batch(config: dict, rows: int, seq: int, device, rows_of: int, group=None):
+    """This rank's input_ids and labels [rows, seq] (10% of labels -100), those of its data
+    shard `rows_of` (the same on the ranks of one shard), and the global count of valid
+    (shifted) labels: summed over `group` (the data shards' ranks; None: none)."""
+    gen = torch.Generator(device=device).manual_seed(1 + rows_of)
     ids = torch.randint(0, config["vocab_size"], (rows, seq), device=device, generator=gen)
     labels = ids.masked_fill(torch.rand(rows, seq, device=device, generator=gen) < 0.1, -100)
     count = (labels[:, 1:] != -100).sum()
-    if not same_rows:
-        dist.all_reduce(count)
+    if group is not None:
+        dist.all_reduce(count, group=group)
     return {"input_ids": ids, "labels": labels, "num_items_in_batch": count}
 
 
-def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int, head: str = "fsdp") -> list[dict]:
+def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int, head: str = "fsdp", tp: int = 1) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    inputs = batch(config, rows, seq, device, same_rows=head == "tp")
+    world = dist.get_world_size()
+    if head == "2d":
+        if tp < 2 or world % tp:
+            raise ValueError(f"--head 2d needs --tp T > 1 dividing the {world} ranks, got {tp}")
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        inputs = batch(config, rows, seq, device, mesh["dp"].get_local_rank(), mesh["dp"].get_group())
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+        inputs = batch(config, rows, seq, device, 0 if head == "tp" else dist.get_rank(),
+                       None if head == "tp" else mesh.get_group())
     results = []
     for method in methods:
         model = build(config, method, mesh, dtype, device, head)
@@ -88,7 +103,8 @@ def run(config: dict, methods, rows: int, seq: int, dtype, repeat: int, head: st
             return out.loss.detach()
 
         dist.barrier()
-        row = {"method": method, "head": head, "P": dist.get_world_size(), "rows_per_rank": rows, "seq": seq,
+        row = {"method": method, "head": head, "P": world, "tp": tp if head == "2d" else None, "rows_per_rank": rows,
+               "seq": seq,
                "step_ms": measure.time_ms(step, device, repeat=repeat)}
         peak = measure.peak_extra_bytes(step, device) if device.type == "cuda" else None
         row["loss"] = float(step())
@@ -114,9 +130,11 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU runs)")
-    parser.add_argument("--head", choices=("fsdp", "tp"), default="fsdp",
+    parser.add_argument("--head", choices=("fsdp", "tp", "2d"), default="fsdp",
                         help="fsdp: FSDP2 over every rank (rows split); tp: only the head split over its vocabulary "
-                             "(tensor parallel), the same rows on every rank")
+                             "(tensor parallel), the same rows on every rank; 2d: a (P / T, T) mesh, the head split "
+                             "over its T ranks of 'tp', FSDP2 over 'dp' (the rows split over it)")
+    parser.add_argument("--tp", type=int, default=2, help="with --head 2d: the ranks of 'tp' (default 2)")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps (default 10 on GPUs, 2 on CPUs)")
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
@@ -125,7 +143,7 @@ def main(argv=None):
 
     def body(gpu: bool, dtype):
         return {"results": run(config, methods, args.rows, args.seq, dtype,
-                               args.repeat or (10 if gpu else 2), args.head)}
+                               args.repeat or (10 if gpu else 2), args.head, args.tp)}
 
     on_ranks(body, args.json, model=config)
 

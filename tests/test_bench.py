@@ -174,6 +174,35 @@ def test_distributed_section_compares_each_method_with_one_gpu(tmp_path):
     assert distributed_section(str(tmp_path)) is None  # no run of several GPUs
 
 
+def test_distributed_section_scales_over_every_rank_count(tmp_path):
+    """With runs on 2 and 4 GPUs: a scaling table of the split head (ms on 1 GPU, then on each
+    P with its speed-up, the weak runs' efficiency, the peaks), then a table for each P."""
+    import shutil
+
+    from bench.distributed_report import distributed_section
+
+    results = ROOT / "bench/results"
+    for name in ("distributed_1gpu.json", "distributed_2gpu.json", "distributed_2gpu_weak.json"):
+        shutil.copy(results / name, tmp_path / name)
+    for name in ("distributed_2gpu.json", "distributed_2gpu_weak.json"):  # a 4-GPU run: twice as fast
+        data = json.loads((results / name).read_text())
+        for r in data["results"]:
+            r["P"], r["fwd_bwd_ms"] = 4, r["fwd_bwd_ms"] / 2
+        (tmp_path / name.replace("2gpu", "4gpu")).write_text(json.dumps(data))
+    section = distributed_section(str(tmp_path))
+    assert "Split-head scaling" in section and "On 2 x NVIDIA" in section and "On 4 x NVIDIA" in section
+    load = lambda name: json.loads((tmp_path / name).read_text())["results"]
+    pick = lambda name, method: next(r for r in load(name) if r["shape"] == "L" and r["method"] == method)
+    base, r1 = pick("distributed_1gpu.json", "one-gpu-speed"), pick("distributed_1gpu.json", "ours-speed")
+    row = next(line for line in section.splitlines() if line.startswith("| L ") and "| ours-speed |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    r2, r4 = pick("distributed_2gpu.json", "ours-speed"), pick("distributed_4gpu.json", "ours-speed")
+    w4 = pick("distributed_4gpu_weak.json", "ours-speed")
+    assert cells[2:5] == [f"{r1['fwd_bwd_ms']:.1f}", f"{r2['fwd_bwd_ms']:.1f} ({base['fwd_bwd_ms'] / r2['fwd_bwd_ms']:.2f}x)",
+                          f"{r4['fwd_bwd_ms']:.1f} ({base['fwd_bwd_ms'] / r4['fwd_bwd_ms']:.2f}x)"]
+    assert cells[6] == f"{w4['fwd_bwd_ms']:.1f} ({100 * r1['fwd_bwd_ms'] / w4['fwd_bwd_ms']:.0f}%)"
+
+
 def test_compiled_model_section_is_generated_and_optional(tmp_path):
     """The compiled model's table: one column per method; its markers keep their text when the
     results folder has no compiled_model.json (another command writes it), and a JSON without

@@ -251,11 +251,11 @@ def test_a_tensor_parallel_head_is_split_not_gathered():
     mp.spawn(_tensor_parallel_worker, args=(2, port), nprocs=2, join=True)
 
 
-@pytest.mark.parametrize("head", ["fsdp", "tp"])
+@pytest.mark.parametrize("head", ["fsdp", "tp", "2d"])
 def test_fsdp2_model_benchmark_runs_on_two_gloo_ranks(tmp_path, head):
     """`torchrun -m bench.fsdp_model` (the multi-GPU model benchmark's command) on 2 CPU ranks
-    with a tiny Llama, under FSDP2 or with its head split by tensor parallelism: both methods
-    run and give the same loss."""
+    with a tiny Llama, under FSDP2, with its head split by tensor parallelism, or both (a
+    (1, 2) mesh): both methods run and give the same loss."""
     import json
 
     out = tmp_path / "fsdp.json"
