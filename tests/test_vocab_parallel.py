@@ -7,6 +7,7 @@ every case; the results come back as files."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 
@@ -479,10 +480,11 @@ MULTI_GPU = (pytest.mark.cuda, pytest.mark.multi_gpu)
 
 
 @pytest.fixture(scope="module", params=[pytest.param((2, "cpu"), id="2-gloo"), pytest.param((4, "cpu"), id="4-gloo"),
-                                        pytest.param((2, "cuda"), id="2-nccl", marks=MULTI_GPU)])
+                                        pytest.param((2, "cuda"), id="2-nccl", marks=MULTI_GPU),
+                                        pytest.param((4, "cuda"), id="4-nccl", marks=MULTI_GPU)])
 def sharded_results(request, tmp_path_factory):
-    """Every split-head case on 2 and 4 gloo ranks (CPUs), and on 2 NCCL ranks (one GPU each,
-    the Triton kernels): (world, [each rank's results])."""
+    """Every split-head case on 2 and 4 gloo ranks (CPUs), and on 2 and 4 NCCL ranks (one GPU
+    each, the Triton kernels; skipped where fewer GPUs are): (world, [each rank's results])."""
     world, device = request.param
     out_dir = tmp_path_factory.mktemp(f"vocab-parallel-{world}-{device}")
     return world, _spawn(_worker, world, device, out_dir)
@@ -989,9 +991,10 @@ def jax_split_cases(jit: bool = False, strategies=("speed", "memory", "chunked")
                 yield f"{kind}|{case}|{strategy}", kind, strategy, p, options, upstream
 
 
-def _jax_process(args: list[str], devices: str, timeout: int):
+def _jax_process(args: list[str], devices: str, timeout: int, gpus: int = 2):
     """`python args...` in a fresh process with JAX on `devices`: "cpu" (4 CPU devices, the
-    kernels in interpret mode) or "gpu" (every GPU, NVLink multicast off)."""
+    kernels in interpret mode) or "gpu" (the first `gpus` GPUs, a mesh's size; NVLink
+    multicast off)."""
     import subprocess
     import sys
 
@@ -1000,8 +1003,10 @@ def _jax_process(args: list[str], devices: str, timeout: int):
     if devices == "cpu":
         env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                    LOGITLESS_PALLAS_INTERPRET="1")
-    elif torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 CUDA GPUs, {torch.cuda.device_count()} here")
+    elif torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPUs, {torch.cuda.device_count()} here")
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
     return subprocess.run([sys.executable, *args], env=env, cwd=repo, capture_output=True, text=True, timeout=timeout)
 
 
@@ -1085,9 +1090,9 @@ def test_jax_split_head_with_rows_split_over_another_axis(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["shard_map", "jit"])
-@pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=MULTI_GPU)])
+@pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=MULTI_GPU), pytest.param("4 gpus", marks=MULTI_GPU)])
 def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices, mode):
-    """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode) or of 2 GPUs,
+    """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode), of 2 GPUs or of 4,
     every test case and strategy of `linear_topk_distillation`, `linear_distillation` (both
     heads split alike; its teacher of the student's size), `linear_log_probs`
     (log-probabilities, entropy, argmax and both upstream gradients) and
@@ -1101,11 +1106,11 @@ def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices,
     from tests.distill_frameworks import errors
     from tests.distill_frameworks import reference as distill_reference
 
-    mesh = "2,2" if devices == "cpu" else "1,2" if mode == "shard_map" else "2,1"
+    mesh = "1,2" if devices == "gpu" and mode == "shard_map" else "2,1" if devices == "gpu" else "2,2"
     # on the GPUs the kernels' strategies (the jax.numpy fallback's runs on the CPU devices)
     strategies = ("speed", "memory", "chunked") if devices == "cpu" else ("speed", "memory")
-    done = _jax_process(["-c", JAX_SPLIT_SCRIPT, str(tmp_path / "rl.npz"), mesh, mode, ",".join(strategies)], devices,
-                        timeout=900)
+    done = _jax_process(["-c", JAX_SPLIT_SCRIPT, str(tmp_path / "rl.npz"), mesh, mode, ",".join(strategies)],
+                        "cpu" if devices == "cpu" else "gpu", timeout=900, gpus=math.prod(map(int, mesh.split(","))))
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
     got = dict(np.load(tmp_path / "rl.npz"))
     for key, kind, strategy, p, options, upstream in jax_split_cases(mode == "jit", strategies):
@@ -1275,18 +1280,19 @@ def test_jax_jit_partitions_sharded_operands_instead_of_gathering(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("mesh", ["1,2", "2,1"])
-def test_jax_on_a_mesh_of_two_gpus_matches_reference(tmp_path, mesh):
-    """The Pallas kernels on a (dp, tp) mesh of 2 GPUs: under jax.jit, rows sharded over "dp"
-    ("2,1": the head replicated or FSDP-sharded) or the head split over its vocabulary on
-    "tp" ("1,2"), both strategies and layouts, plain and with every option, against the
-    float64 reference, nothing row-sized gathered; inside jax.shard_map with
-    `vocab_parallel="tp"` ("1,2"), every strategy, plain and with every option."""
-    done = _jax_process(["-c", JIT_SCRIPT, mesh, "mean,all"], "gpu", timeout=1200)
+@pytest.mark.parametrize("mesh", ["1,2", "2,1", pytest.param("2,2", id="2,2-4gpus"), "1,4"])
+def test_jax_on_a_mesh_of_gpus_matches_reference(tmp_path, mesh):
+    """The Pallas kernels on a (dp, tp) mesh of 2 or 4 GPUs (skipped where fewer are): under
+    jax.jit, rows sharded over "dp" (the head replicated or FSDP-sharded) and the head split
+    over its vocabulary on "tp", both strategies and layouts, plain and with every option,
+    against the float64 reference, nothing row-sized gathered; inside jax.shard_map with
+    `vocab_parallel="tp"` (meshes with tp > 1), every strategy, plain and with every option."""
+    gpus = math.prod(int(k) for k in mesh.split(","))
+    done = _jax_process(["-c", JIT_SCRIPT, mesh, "mean,all"], "gpu", timeout=1200, gpus=gpus)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    if mesh == "1,2":  # the plainest case and the one with every option (all run on CPU devices)
+    if mesh.split(",")[1] != "1":  # the plainest case and the one with every option (all run on CPU devices)
         cases = "mean,everything-none-lse"
-        done = _jax_process(["-c", JAX_SCRIPT, str(tmp_path / "jax.npz"), mesh, cases], "gpu", timeout=900)
+        done = _jax_process(["-c", JAX_SCRIPT, str(tmp_path / "jax.npz"), mesh, cases], "gpu", timeout=900, gpus=gpus)
         assert done.returncode == 0 and "done" in done.stdout, done.stderr[-4000:]
         _check_shard_map_results(tmp_path / "jax.npz", cases.split(","))
 
