@@ -191,6 +191,19 @@ def test_compiled_call_checks_its_arguments():
         g(x, W[:, :D], torch.zeros(N, dtype=torch.int64, device=DEV))
 
 
+@pytest.mark.parametrize("loss", ["cross_entropy", "topk", "log_probs"])
+def test_compiled_call_checks_its_shapes_when_traced(loss):
+    """A target of the wrong shape gets the eager call's error when the op is traced (its
+    fake implementation checks), not a reshape's error after it."""
+    x, W, y = torch.randn(N, D, device=DEV), torch.randn(V, D, device=DEV), torch.zeros(N - 1, dtype=torch.int64, device=DEV)
+    ids, lp = torch.zeros(N, 2, dtype=torch.int64, device=DEV), torch.full((N, 2), -0.7, device=DEV)
+    call = {"cross_entropy": lambda x, W, y: torch_impl.linear_cross_entropy(x, W, y, reduction="none"),
+            "topk": lambda x, W, y: torch_impl.linear_topk_distillation(x, W, ids, lp, target=y, reduction="none"),
+            "log_probs": lambda x, W, y: torch_impl.linear_log_probs(x, W, y)}[loss]
+    with pytest.raises(Exception, match="target must have shape"):
+        torch.compile(call, fullgraph=True, backend="aot_eager")(x, W, y)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_compiled_call_takes_expanded_and_offset_views(strategy):
     """A head expanded from one row (stride 0), an input and a bias sliced at an offset, targets

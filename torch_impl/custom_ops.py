@@ -12,8 +12,8 @@ because compiled code (and a CUDA graph replaying it) must not wait for the GPU:
   instead of a ValueError, as under `jax.jit`;
 - rows whose target is ignore_index are computed and masked, not gathered out first.
 
-Where the eager call forms the gradients in the forward pass (a reduced loss, the kernels'
-"speed" or "auto": `formed_now`), the op forms them for an upstream gradient of 1 and the
+Where the eager call forms the gradients in the forward pass (a reduced loss and, for
+cross-entropy, no lse returned; the kernels' "speed" or "auto": `formed_now`), the op forms them for an upstream gradient of 1 and the
 backward pass scales them; otherwise the backward op recomputes them from the per-row
 values the op saved. Gradients are first-order only. An op's options travel as numbers,
 strings and flags (a Tuning as `tuning_values`), which is what an op's schema carries;
@@ -126,12 +126,12 @@ class OpSpec:
 
     name: the op's name (``logitless::<name>``, and ``<name>_backward``).
     arguments: the schema of its arguments, as "Tensor input, Tensor linear_weight, ...".
-    build(*arguments, grads) -> (Call, tensors): the eager call's checks (ValueError /
-        TypeError naming the argument) and the loss's `engine.Call` over its flattened
-        tensors; runs on fake tensors when the op is traced, and in each pass. grads: the
-        Call's gradients that the pass forms (its `need`).
-    fake(*arguments) -> (outputs, saved): empty tensors shaped as the Call's forward pass
-        gives its outputs and what it saves.
+    build(*arguments, grads) -> (Call, tensors): the eager call's checks and the loss's
+        `engine.Call` over its flattened tensors, in each pass. grads: the Call's gradients
+        that the pass forms (its `need`).
+    fake(*arguments) -> (outputs, saved): the eager call's checks (ValueError / TypeError
+        naming the argument, when the op is traced), then empty tensors shaped as the Call's
+        forward pass gives its outputs and what it saves.
     outputs: how many outputs the Call gives; the first `values` take a gradient.
     grads_of: the positions of the arguments that the Call's n_grads gradients belong to.
     """

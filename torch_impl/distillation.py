@@ -372,11 +372,12 @@ def _topk_build(input, linear_weight, teacher_ids, teacher_logprobs, target, lin
     return TopKCall(teacher, o, weight_layout, plan, ops, None, None, None), (x, linear_weight, dense(linear_bias), y, valid)
 
 
-def _topk_fake(input, linear_weight, teacher_ids, *args):
+def _topk_fake(*args):
     """(loss,), (lse_T, lse_1 [N], s_ids [N, K], s_y [N]): the compute dtype."""
-    n, k, reduction = teacher_ids.shape[:-1].numel(), teacher_ids.shape[-1], args[10]
-    rows = lambda *s: input.new_empty(s, dtype=compute_dtype(input.dtype))
-    return (rows(n) if reduction == "none" else rows(),), (rows(n), rows(n), rows(n, k), rows(n))
+    o, shape = topk_checked(*args[:18])
+    rows = lambda *s: args[0].new_empty(s, dtype=compute_dtype(args[0].dtype))
+    n = shape.n_rows
+    return (rows(n) if o.reduction == "none" else rows(),), (rows(n), rows(n), rows(n, shape.k), rows(n))
 
 
 _topk_op = custom_ops.define(custom_ops.OpSpec(
@@ -422,12 +423,12 @@ def _dense_build(input, linear_weight, teacher_input, teacher_weight, target, ro
     return DenseCall(o, weight_layout, vocab, plan, ops, None, None, None), (x, linear_weight, xt, teacher_weight, valid)
 
 
-def _dense_fake(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta, temperature,
-                temperature_squared, reduction, *_):
+def _dense_fake(*args):
     """(loss,), (lse_s, lse_t, kl_q [N]): the compute dtype."""
-    n = input.shape[:-1].numel()
-    rows = lambda *s: input.new_empty(s, dtype=compute_dtype(input.dtype))
-    return (rows(n) if reduction == "none" else rows(),), (rows(n), rows(n), rows(n))
+    o, shape = dense_checked(*args[:14])
+    rows = lambda *s: args[0].new_empty(s, dtype=compute_dtype(args[0].dtype))
+    n = shape.n_rows
+    return (rows(n) if o.reduction == "none" else rows(),), (rows(n), rows(n), rows(n))
 
 
 _dense_op = custom_ops.define(custom_ops.OpSpec(

@@ -246,37 +246,46 @@ def _compiled(input, linear_weight, target, *, linear_bias, weight, reduction, i
     return (loss, lse.reshape(lead)) if return_lse else loss
 
 
-def _op_build(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
-              softcap, weight_layout, strategy, accumulate_in_input_dtype, filter_eps, tuning, grads):
-    """The op's Call: the kernels' `blocked.KernelCall` with a plan that never waits for the
-    GPU, or where the strategy resolves to "chunked", the block steps' `CrossEntropyCall`."""
+def _op_checked(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+                softcap, weight_layout, strategy, accumulate_in_input_dtype, filter_eps, tuning):
+    """(options, shape) of an op's call: the eager call's checks (ValueError / TypeError
+    naming the argument)."""
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
     check_strategy(strategy)
     check_filter_eps(filter_eps)
-    shape = check_inputs(
+    return opts, check_inputs(
         input_shape=tuple(input.shape), input_dtype=dtype_name(input.dtype), weight_shape=tuple(linear_weight.shape),
         weight_dtype=dtype_name(linear_weight.dtype), target_shape=tuple(target.shape), target_dtype=dtype_name(target.dtype),
         bias_shape=custom_ops.optional_shape(linear_bias), bias_dtype=custom_ops.dtype_of(linear_bias),
         class_weight_shape=custom_ops.optional_shape(weight), class_weight_dtype=custom_ops.dtype_of(weight),
         weight_layout=weight_layout)
+
+
+def _op_build(*args):
+    """The op's Call: the kernels' `blocked.KernelCall` with a plan that never waits for the
+    GPU, or where the strategy resolves to "chunked", the block steps' `CrossEntropyCall`."""
+    *args, grads = args
+    (input, linear_weight, target, linear_bias, weight, _, _, _, _, _, weight_layout, strategy, accumulate,
+     filter_eps, tuning) = args
+    opts, shape = _op_checked(*args)
     n, d, vocab, t = shape.n_rows, shape.hidden, shape.vocab, custom_ops.tuning_from_values(tuning)
     x, y = input.reshape(n, d), dense(target.reshape(n)).to(torch.int64)
     b, cw = dense(linear_bias), dense(weight)
     strategy = choose_strategy(strategy, x, n, d, vocab, t)
     if strategy == "chunked":
-        plan, ops = plan_steps(t, strategy, n, d, vocab, x.dtype, accumulate_in_input_dtype)
+        plan, ops = plan_steps(t, strategy, n, d, vocab, x.dtype, accumulate)
         return CrossEntropyCall(opts, weight_layout, plan, ops), (x, linear_weight, b, cw, y)
-    plan = blocked.plan_blocks(t, strategy, n, d, vocab, x.dtype, accumulate_in_input_dtype, filter_eps,
-                               forward_only=not any(grads))
+    plan = blocked.plan_blocks(t, strategy, n, d, vocab, x.dtype, accumulate, filter_eps, forward_only=not any(grads))
     check = TargetCheck(y, cw, opts.ignore_index, vocab, watch=False)
     call = blocked.KernelCall(opts, weight_layout, dataclasses.replace(plan, host_sync=False), False, check)
     return call, (x, linear_weight, b, cw, y, None)
 
 
-def _op_fake(input, linear_weight, target, linear_bias, weight, reduction, *_):
+def _op_fake(*args):
     """(loss, lse), (lse,): the loss 0-d, or [N] for "none"; fp32 (fp64 for fp64 input)."""
-    lse = input.new_empty(target.numel(), dtype=compute_dtype(input.dtype))
-    return (lse if reduction == "none" else lse.new_empty(()), lse), (lse,)
+    opts, shape = _op_checked(*args)
+    lse = args[0].new_empty(shape.n_rows, dtype=compute_dtype(args[0].dtype))
+    return (lse if opts.reduction == "none" else lse.new_empty(()), lse), (lse,)
 
 
 _op = custom_ops.define(custom_ops.OpSpec(

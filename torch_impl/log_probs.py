@@ -149,12 +149,13 @@ def _op_build(input, linear_weight, target, linear_bias, temperature, softcap, i
     return LogProbsCall(o, weight_layout, plan, ops, None), (x, linear_weight, dense(linear_bias), y)
 
 
-def _op_fake(input, linear_weight, target, *_):
+def _op_fake(*args):
     """(log-probabilities, entropy, argmax), (lse, entropy): [N], argmax int64, the others in
     the compute dtype."""
-    n, wide = target.numel(), compute_dtype(input.dtype)
-    rows = lambda: input.new_empty(n, dtype=wide)
-    return (rows(), rows(), input.new_empty(n, dtype=torch.int64)), (rows(), rows())
+    _, shape = log_probs_checked(*args[:9])
+    n, wide = shape.n_rows, compute_dtype(args[0].dtype)
+    rows = lambda: args[0].new_empty(n, dtype=wide)
+    return (rows(), rows(), args[0].new_empty(n, dtype=torch.int64)), (rows(), rows())
 
 
 _op = custom_ops.define(custom_ops.OpSpec(
