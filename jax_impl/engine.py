@@ -166,8 +166,8 @@ class Call:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def apply(call: Call, *arrays):
     """call's outputs. Under differentiation, gradients formed in the forward rule are scaled
-    by the upstream gradient in fp32 (rounding it to a 16-bit gradient's dtype first would
-    scale it wrongly); otherwise the backward rule runs `call.backward`."""
+    by the upstream gradient in fp32, fp64 for fp64 ones (rounding it to a 16-bit gradient's
+    dtype first would scale it wrongly); otherwise the backward rule runs `call.backward`."""
     return call.forward(arrays, False)[0]
 
 
@@ -184,8 +184,9 @@ def _apply_bwd(call: Call, res, cotangents):
     if grads is None:
         grads = call.backward(arrays, saved, cotangents)
     else:
-        g = (cotangents[0] if isinstance(cotangents, tuple) else cotangents).astype(jnp.float32)
-        grads = tuple(None if a is None else (a * g).astype(a.dtype) for a in grads)
+        g = cotangents[0] if isinstance(cotangents, tuple) else cotangents
+        grads = tuple(None if a is None else (a * g.astype(jnp.promote_types(a.dtype, jnp.float32))).astype(a.dtype)
+                      for a in grads)
     return tuple(grads) + (None,) * (len(arrays) - len(grads))
 
 

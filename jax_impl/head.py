@@ -74,11 +74,13 @@ class Head:
         """(dW, db, dx_R) for dz over whole rows [R, vocab]: its shares added to dW and db, and
         grad_input's rows dz W in dx_dtype straight from the product (no fp32 copy of them)."""
         dx_R = self.grad_input_share(dz, self.head_cols(0, self.vocab), dx_dtype)
-        if self.vocab == dW.shape[0 if self.vd else 1]:
-            dW = dW + self.grad_weight_share(dz, x_R, dW.dtype)
-        else:  # the head's first classes (a dense teacher's shared ones)
+        if self.vocab < dW.shape[0 if self.vd else 1]:  # the head's first classes (a dense teacher's shared ones)
             dW = self.add_weight_share(dW, dz, x_R, 0, self.vocab)
-        return dW, None if db is None else db + dz.astype(db.dtype).sum(0), dx_R
+        else:
+            dW = dW + self.grad_weight_share(dz, x_R, dW.dtype)
+        if db is not None:
+            db = jax.lax.dynamic_update_slice_in_dim(db, db[: self.vocab] + dz.astype(db.dtype).sum(0), 0, axis=0)
+        return dW, db, dx_R
 
     def col_loop(self, body, carry):
         """carry = body(v0, cols, carry) over the column blocks: a loop over the full blocks
