@@ -97,7 +97,10 @@ def run(shapes, methods, dtype, repeat: int, weak: bool, loss: str = "cross_entr
         n = n * world if weak else n
         x, W_full, y = measure.make_inputs(n, d, v, dtype, device)
         # the classes split as a DTensor's Shard splits them (torch.chunk), which loss_parallel's layout assumes
-        W = W_full.chunk(world)[rank].contiguous()
+        slices = W_full.chunk(world)
+        if len(slices) < world:
+            raise ValueError(f"{v} classes can't be split over {world} ranks as torch.chunk splits them")
+        W = slices[rank].contiguous()
         del W_full
         for mname in methods:
             if mname.startswith("one-gpu") and world > 1:

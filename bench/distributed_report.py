@@ -64,12 +64,11 @@ def _split_head_rows(one: dict, many: dict, weak: dict | None, p: int) -> list[l
     """Per shape and method: ms on 1 GPU (a group of one) and on P, the speed-up over one
     GPU's unsplit "speed" call, the weak run's ms and efficiency, the per-GPU peak at P (x
     the rank's floor)."""
-    find = _find
     rows = []
     for shape in dict.fromkeys(r["shape"] for r in many["results"]):
-        base = find(one, shape, "one-gpu-speed")
+        base = _find(one, shape, "one-gpu-speed")
         for method in [*dict.fromkeys(r["method"] for r in many["results"] if r["shape"] == shape), "one-gpu-speed"]:
-            r1, rp, rw = find(one, shape, method), find(many, shape, method), find(weak, shape, method)
+            r1, rp, rw = _find(one, shape, method), _find(many, shape, method), _find(weak, shape, method)
             if rp is None and r1 is None:
                 continue
             n, d, v = (rp or r1)["N"], (rp or r1)["D"], (rp or r1)["V"]
@@ -87,14 +86,12 @@ def _loss_rows(one: dict, many: dict, p: int, loss: str) -> list[list[str]]:
     """Another loss's split head, one row per shape, "speed / memory" in each cell: ms with a
     group of one (the unsplit calls' beside), ms on P GPUs, the speed-up over the unsplit call
     of the same strategy, the per-GPU peak at P (GiB)."""
-    find = lambda data, shape, method: next((r for r in data["results"] if r["shape"] == shape and r["method"] == method),
-                                            None)
     rows = []
     for shape in dict.fromkeys(r["shape"] for r in many["results"]):
         cells = {k: [] for k in ("one", "unsplit", "many", "speedup", "peak")}
         for strategy in ("speed", "memory"):
-            r1, ru, rp = (find(one, shape, f"ours-{strategy}"), find(one, shape, f"one-gpu-{strategy}"),
-                          find(many, shape, f"ours-{strategy}"))
+            r1, ru, rp = (_find(one, shape, f"ours-{strategy}"), _find(one, shape, f"one-gpu-{strategy}"),
+                          _find(many, shape, f"ours-{strategy}"))
             cells["one"].append(f"{r1['fwd_bwd_ms']:.1f}" if r1 else "-")
             cells["unsplit"].append(f"{ru['fwd_bwd_ms']:.1f}" if ru else "-")
             cells["many"].append(f"{rp['fwd_bwd_ms']:.1f}" if rp else "-")

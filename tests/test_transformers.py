@@ -252,14 +252,16 @@ def test_a_tensor_parallel_head_is_split_not_gathered():
 
 
 @pytest.mark.parametrize("head", ["fsdp", "tp", "2d"])
-def test_fsdp2_model_benchmark_runs_on_two_gloo_ranks(tmp_path, head):
-    """`torchrun -m bench.fsdp_model` (the multi-GPU model benchmark's command) on 2 CPU ranks
-    with a tiny Llama, under FSDP2, with its head split by tensor parallelism, or both (a
-    (1, 2) mesh): both methods run and give the same loss."""
+def test_fsdp2_model_benchmark_runs_on_gloo_ranks(tmp_path, head):
+    """`torchrun -m bench.fsdp_model` (the multi-GPU model benchmark's command) on CPU ranks
+    with a tiny Llama, under FSDP2 (2 ranks), with its head split by tensor parallelism (2),
+    or both (4 ranks: a (2, 2) mesh, each data shard its own rows): both methods run and
+    give the same loss."""
     import json
 
     out = tmp_path / "fsdp.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    ranks = "4" if head == "2d" else "2"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks,
                            "-m", "bench.fsdp_model", "--tiny", "--seq", "16", "--repeat", "1", "--head", head,
                            "--json", str(out)],
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600)
