@@ -28,11 +28,6 @@ except ImportError:  # no torch.distributed: no head split over ranks
     parallel = None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16"."""
-    return str(dtype).removeprefix("torch.")
-
-
 def check_target_range(y_N: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Raise ValueError for a target outside [0, V) that is not ignore_index (eager calls: it
     waits for the device)."""
@@ -246,19 +241,26 @@ def _compiled(input, linear_weight, target, *, linear_bias, weight, reduction, i
     return (loss, lse.reshape(lead)) if return_lse else loss
 
 
+def head_shape(input, linear_weight, target, linear_bias, weight, weight_layout, classes=None):
+    """The ProblemShape of a cross-entropy call's tensors (`interop.options.check_inputs`:
+    ValueError / TypeError naming the argument); classes: a split head's, if not the
+    weight's."""
+    return check_inputs(
+        input_shape=tuple(input.shape), input_dtype=custom_ops.dtype_of(input),
+        weight_shape=tuple(linear_weight.shape), weight_dtype=custom_ops.dtype_of(linear_weight),
+        target_shape=tuple(target.shape), target_dtype=custom_ops.dtype_of(target),
+        bias_shape=custom_ops.optional_shape(linear_bias), bias_dtype=custom_ops.dtype_of(linear_bias),
+        class_weight_shape=custom_ops.optional_shape(weight), class_weight_dtype=custom_ops.dtype_of(weight),
+        weight_layout=weight_layout, classes=classes)
+
+
 def _op_checked(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
                 softcap, weight_layout, strategy, accumulate_in_input_dtype, filter_eps, tuning):
-    """(options, shape) of an op's call: the eager call's checks (ValueError / TypeError
-    naming the argument)."""
+    """(options, shape) of an op's call: the eager call's checks."""
     opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
     check_strategy(strategy)
     check_filter_eps(filter_eps)
-    return opts, check_inputs(
-        input_shape=tuple(input.shape), input_dtype=dtype_name(input.dtype), weight_shape=tuple(linear_weight.shape),
-        weight_dtype=dtype_name(linear_weight.dtype), target_shape=tuple(target.shape), target_dtype=dtype_name(target.dtype),
-        bias_shape=custom_ops.optional_shape(linear_bias), bias_dtype=custom_ops.dtype_of(linear_bias),
-        class_weight_shape=custom_ops.optional_shape(weight), class_weight_dtype=custom_ops.dtype_of(weight),
-        weight_layout=weight_layout)
+    return opts, head_shape(input, linear_weight, target, linear_bias, weight, weight_layout)
 
 
 def _op_build(*args):
@@ -311,25 +313,13 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
     check_strategy(strategy)
     filter_eps = check_filter_eps(filter_eps)
     tuning = check_tuning(tuning)
-    checked = lambda cw, classes: check_inputs(
-        input_shape=_whole_shape(input, rows_dim, vocab_parallel),
-        input_dtype=dtype_name(input.dtype),
-        weight_shape=tuple(linear_weight.shape),
-        weight_dtype=dtype_name(linear_weight.dtype),
-        target_shape=tuple(target.shape),
-        target_dtype=dtype_name(target.dtype),
-        bias_shape=None if linear_bias is None else tuple(linear_bias.shape),
-        bias_dtype=None if linear_bias is None else dtype_name(linear_bias.dtype),
-        class_weight_shape=None if cw is None else tuple(cw.shape),
-        class_weight_dtype=None if cw is None else dtype_name(cw.dtype),
-        weight_layout=weight_layout,
-        classes=classes,
-    )
+    checked = lambda cw, classes: head_shape(whole_input(input, rows_dim, vocab_parallel), linear_weight, target,
+                                             linear_bias, cw, weight_layout, classes)
     split = None
     if vocab_parallel is not None:
         # what decides the ranks' blocks and collectives, the same on every rank or an error on all
         grads = torch.is_grad_enabled(), *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
-        fingerprint = parallel.call_fingerprint(strategy, dtype_name(input.dtype), opts, return_lse, weight_layout,
+        fingerprint = parallel.call_fingerprint(strategy, custom_ops.dtype_of(input), opts, return_lse, weight_layout,
                                                 accumulate_in_input_dtype, tuning, grads, weight is None)
         kept = target.ne(opts.ignore_index).sum() if not target.is_floating_point() else None
         split = head_slice(vocab_parallel, lambda: checked(None, None), input.device, fingerprint, kept, rows_dim)
