@@ -217,10 +217,6 @@ class CrossEntropyCall(engine.Call):
     cfg: BlockedConfig
     axis: str | None = None
 
-    @property
-    def grads_in_forward(self):
-        return self.cfg.grads_in_forward  # kernel plans only; lse is not returned: its cotangent is zero
-
     def forward(self, arrays, with_grads):
         if with_grads:
             loss, lse, *grads = _forward(*arrays, self.cfg, self.axis, True)

@@ -225,10 +225,6 @@ class _TopKCall(engine.Call):
     cfg: DistillConfig
     axis: str | None = None
 
-    @property
-    def grads_in_forward(self):
-        return self.cfg.grads_in_forward
-
     def forward(self, arrays, with_grads):
         return _topk_passes_forward(*arrays, self.cfg, with_grads, self.axis)
 
@@ -371,10 +367,6 @@ class _DenseCall(engine.Call):
     cfg: DistillConfig
     axis: str | None = None
     n_grads = 2
-
-    @property
-    def grads_in_forward(self):
-        return self.cfg.grads_in_forward
 
     def forward(self, arrays, with_grads):
         return _dense_passes_forward(*arrays, self.cfg, with_grads, self.axis)

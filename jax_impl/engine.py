@@ -150,11 +150,15 @@ class Call:
     `forward(arrays, with_grads)` -> (outputs, saved, grads): the outputs (an array or a
     tuple; the first is a reduced loss where gradients are formed), what the backward rule
     reads, and with `with_grads` the gradients for an upstream gradient of 1 (else None).
-    `backward(arrays, saved, cotangents)` -> the n_grads gradients. `grads_in_forward`:
-    whether the forward rule forms them (a plan of whole rows and a reduced loss)."""
+    `backward(arrays, saved, cotangents)` -> the n_grads gradients. `cfg`: the call's plan,
+    whose `grads_in_forward` says whether the forward rule forms them (a plan of whole rows
+    and a reduced loss); a Call may decide otherwise."""
 
     n_grads = 3
-    grads_in_forward = False
+
+    @property
+    def grads_in_forward(self) -> bool:
+        return self.cfg.grads_in_forward
 
     def forward(self, arrays, with_grads: bool):
         raise NotImplementedError

@@ -175,6 +175,7 @@ class _LogProbsCall(engine.Call):
     cfg: DistillConfig
     with_entropy: bool
     axis: str | None = None
+    grads_in_forward = False  # the upstream gradients are per-row arrays: they come in the backward pass
 
     def forward(self, arrays, with_grads):
         logp, entropy, argmax, lse = forward(*arrays, self.cfg, axis=self.axis)
