@@ -1,4 +1,5 @@
-"""How the kernel paths of both frameworks cut a problem into blocks of logits.
+"""The rules by which the kernel paths of both frameworks cut a problem into blocks of
+logits; `interop.planning.plan` chooses among them for a call.
 
 A block is [rows, cols] of the N x V logits, computed by one matrix product into a reused
 buffer. "speed" uses blocks of whole rows (cols = V) so the gradient can be formed in the

@@ -1,9 +1,10 @@
 """The measured numbers of both frameworks' kernel paths, in one place.
 
-`Tuning` holds what the block planner (`interop.blocking`) and the block loops read per
-call; a call takes another through its ``tuning`` argument, as JAX's Pallas attention takes
-its block sizes (tests pass tiny blocks to run many blocks on small problems). The module
-constants below it are the kernels' compile-time launch parameters. Each value says what it
+`Tuning` holds what the block planner (`interop.planning`, with the rules of
+`interop.blocking`) and the block loops read per call; a call takes another through its
+``tuning`` argument, as JAX's Pallas attention takes its block sizes (tests pass tiny
+blocks to run many blocks on small problems). The module constants below it are the
+kernels' compile-time launch parameters. Each value says what it
 bounds and why it is what it is; the defaults were measured in bf16 on NVIDIA H100 and H200
 GPUs, and bench/NOTES.md holds the runs behind them.
 """

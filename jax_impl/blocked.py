@@ -1,5 +1,5 @@
-"""Cross-entropy's plan for JAX (`plan`: the strategies and blocks of interop.blocking, as
-`torch_impl.blocked`) and a call's `Problem`: the head in the plan's column blocks with the
+"""Cross-entropy's plan for JAX (`plan`: interop.planning's blocks in a `BlockedConfig`, as
+`torch_impl.head.plan`'s BlockPlan) and a call's `Problem`: the head in the plan's column blocks with the
 block steps of `jax_impl.steps` (the Pallas kernels for "speed" and "memory", jax.numpy for
 "chunked", the fallback wherever the kernels do not run: fp32 logits, fp64 for fp64
 inputs, blocks of whole rows, chunk_rows each). `jax_impl.cross_entropy_rule` runs them.
@@ -21,12 +21,10 @@ with `keep`): as PyTorch's kernels, the other rows get no logits and a zero grad
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax.numpy as jnp
 
-from interop.blocking import (block_shape, chunk_rows, kernel_memory_block_shape, skipping_pays,
-                              whole_row_memory_block_rows, xla_memory_block_shape)
+from interop import planning
 from interop.options import CrossEntropyOptions
 from interop.tuning import Tuning
 from jax_impl import row_products
@@ -45,7 +43,7 @@ class BlockedConfig:
     layout: str  # "rows": blocks of whole rows (gradients can be formed in the forward pass); "tiles": rows x columns
     block_rows: int
     block_cols: int
-    accumulate_in_input_dtype: bool
+    accumulate_in_input_dtype: bool  # grad_weight accumulates in the input dtype (the plan's narrow_accumulator)
     return_lse: bool
     interpret: bool  # Pallas interpret mode (the arrays are not on a GPU)
     skip_ignored: bool  # compute only the row blocks holding rows whose target is not ignored
@@ -72,35 +70,14 @@ class BlockedConfig:
 
 def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
          return_lse, platform) -> BlockedConfig:
-    """The call's configuration. "memory" takes blocks of whole rows with a 16-bit
-    grad_weight where PyTorch's does (interop.blocking.whole_row_memory_block_rows: XLA owns
-    grad_input's buffer, so the blocks do not grow into it as PyTorch's do), else blocks of
-    rows and columns sized for XLA's temporaries (interop.blocking.xla_memory_block_shape),
-    unless fewer than t.min_block of those rows fit: then such blocks multiplied by
-    `row_products`' kernels, which hold no GEMM workspace and no copy of W's slices
-    (interop.blocking.kernel_memory_block_shape: small heads). Either way a "memory" forward
-    pass that forms no gradients takes its statistics from `fused_stats.row_stats`, which
-    writes no logits. "chunked": blocks of whole rows, chunk_rows of them."""
-    if strategy == "chunked":
-        return BlockedConfig(options, weight_layout, strategy, "rows", chunk_rows(t, n_rows, hidden, vocab), vocab,
-                             accumulate_in_input_dtype, return_lse, interpret=platform != "gpu", skip_ignored=False,
-                             fused_stats=False, tuning=t)
-    skip = not return_lse and skipping_pays(t, n_rows, hidden, vocab)
-    itemsize = jnp.dtype(dtype).itemsize
-    interpret = platform != "gpu"
-    fused = strategy == "memory"
-    config = functools.partial(BlockedConfig, options, weight_layout, strategy, return_lse=return_lse,
-                               interpret=interpret, skip_ignored=skip, fused_stats=fused, tuning=t)
-    whole_rows = whole_row_memory_block_rows(t, n_rows, hidden, vocab, itemsize, skip) if fused else None
-    if whole_rows:
-        return config("rows", whole_rows, vocab, True)
-    kernel_shape = kernel_memory_block_shape(t, n_rows, hidden, vocab, itemsize) if fused and itemsize <= 4 else None
-    if kernel_shape:
-        return config("tiles", *kernel_shape, accumulate_in_input_dtype, kernel_products=True)
-    if strategy == "memory":
-        return config("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize), accumulate_in_input_dtype)
-    return config("rows", *block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip),
-                  accumulate_in_input_dtype)
+    """The call's configuration: `interop.planning.plan`'s blocks ("memory": whole rows where
+    PyTorch's take them, else tiles sized for XLA's temporaries, or for `row_products`'
+    kernels on small heads; its forward pass without gradients from `fused_stats`)."""
+    p = planning.plan(t, "jax", "cross_entropy", strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
+                      accumulate_in_input_dtype, return_lse=return_lse)
+    return BlockedConfig(options, weight_layout, strategy, p.layout, p.rows, p.cols, p.narrow_accumulator, return_lse,
+                         interpret=platform != "gpu", skip_ignored=p.skip_ignored, fused_stats=p.fused_stats, tuning=t,
+                         kernel_products=p.kernel_products)
 
 
 class Problem(Head):

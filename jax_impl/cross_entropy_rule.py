@@ -141,7 +141,7 @@ def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig, 
     """(dx, dW, db) recomputing the logits block by block; axis as for `forward`."""
     prob, y_cols, rows, cw_sum, vocab = _call(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     coefs = row_coefficients(g_loss, g_lse, lse_N, rows, cw_sum, cfg.options, vocab)
-    acc = W.dtype if (cfg.accumulate_in_input_dtype or cfg.strategy == "memory") else prob.wide
+    acc = W.dtype if cfg.accumulate_in_input_dtype else prob.wide
     return engine.backward(_CrossEntropyRule(prob, None), prob, (x_ND, y_cols, lse_N) + tuple(coefs), cfg.block_rows,
                            acc, prob.keep, axis, cfg.tail_split)
 

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from interop.blocking import block_shape, chunk_rows
+from interop import planning
 from interop.distillation import DenseDistillationOptions
 from interop.tuning import Tuning
 from jax_impl import engine, partitioned
@@ -39,7 +39,7 @@ class DistillConfig:
     block_rows: int
     block_cols: int
     vocab: int  # the classes covered (dense: min of both heads')
-    accumulate_in_input_dtype: bool
+    accumulate_in_input_dtype: bool  # grad_weight accumulates in the input dtype (the plan's narrow_accumulator)
     interpret: bool
 
     @property
@@ -67,20 +67,18 @@ class DistillConfig:
         return dataclasses.replace(self, block_rows=min(self.block_rows, n_rows), block_cols=cols, vocab=vocab)
 
     def accumulate_dtype(self, dtype):
-        if self.accumulate_in_input_dtype or self.strategy == "memory":
-            return dtype
-        return compute_dtype(dtype)
+        return dtype if self.accumulate_in_input_dtype else compute_dtype(dtype)
 
 
-def plan_distillation(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
-                      platform) -> DistillConfig:
-    """The blocks of one call; a dense teacher's logits are blocked beside the student's (2 buffers)."""
-    if strategy == "chunked":
-        rows, cols = chunk_rows(t, n_rows, hidden, vocab), vocab
-    else:
-        buffers = 2 if isinstance(options, DenseDistillationOptions) else 1
-        rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize, buffers)
-    return DistillConfig(options, weight_layout, strategy, rows, cols, vocab, accumulate_in_input_dtype,
+def plan_steps(t: Tuning, loss: str, options, weight_layout, strategy, n_rows, hidden, vocab, dtype,
+               accumulate_in_input_dtype, platform) -> DistillConfig:
+    """The configuration of a call of the block-step losses (loss "distillation" or
+    "log_probs", the policy loss's too): `interop.planning.plan`'s blocks; a dense teacher's
+    logits are blocked beside the student's (2 buffers)."""
+    buffers = 2 if isinstance(options, DenseDistillationOptions) else 1
+    p = planning.plan(t, "jax", loss, strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
+                      accumulate_in_input_dtype, buffers=buffers)
+    return DistillConfig(options, weight_layout, strategy, p.rows, p.cols, vocab, p.narrow_accumulator,
                          interpret=platform != "gpu")
 
 

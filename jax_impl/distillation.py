@@ -13,7 +13,7 @@ from interop.distillation import (DenseDistillationOptions, TopKDistillationOpti
                                   check_topk_inputs, teacher_id_out_of_range_message)
 from interop.options import check_reduction, check_strategy, check_tuning, target_out_of_range_message
 from interop.tuning import Tuning
-from jax_impl.distill_rules import dense_distillation, plan_distillation, topk_distillation
+from jax_impl.distill_rules import dense_distillation, plan_steps, topk_distillation
 from jax_impl.distill_rows import TopKTeacher, valid_rows
 from jax_impl.functional import (as_array, choose_strategy, denominator, dtype_name, maybe_array, platform_of, shape_of,
                                  whole_vocab)
@@ -92,8 +92,8 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
     wide = compute_dtype(input.dtype)
     platform = platform_of(input)
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
-    cfg = plan_distillation(tuning, o, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
-                            accumulate_in_input_dtype, platform)
+    cfg = plan_steps(tuning, "distillation", o, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
+                     accumulate_in_input_dtype, platform)
     num_items = denominator(num_items_in_batch, wide)
 
     def rows(x, W, b, ids, logprobs, bad, valid, y_kernel, num_items):
@@ -154,7 +154,8 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
     valid = valid_rows(n, y, None if row_mask is None else row_mask.reshape(n), ignore32)
     platform = platform_of(input)
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, vocab, platform, tuning)
-    cfg = plan_distillation(tuning, o, weight_layout, strategy, n, shape.hidden, vocab, input.dtype, accumulate_in_input_dtype, platform)
+    cfg = plan_steps(tuning, "distillation", o, weight_layout, strategy, n, shape.hidden, vocab, input.dtype,
+                     accumulate_in_input_dtype, platform)
 
     def rows(x, W, xt, Wt, valid, num_items):
         xt_ND = jax.lax.stop_gradient(xt.reshape(n, shape.teacher_hidden))

@@ -8,33 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 
-from interop.blocking import xla_memory_block_shape, xla_memory_blocks_fit
 from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
-from jax_impl.distill_rules import DistillConfig, plan_distillation
+from jax_impl.distill_rules import plan_steps
 from jax_impl.functional import (as_array, check_target_range, choose_strategy, dtype_name, maybe_array, platform_of,
                                  shape_of, whole_vocab)
 from jax_impl.log_probs_rule import log_probs
 from jax_impl.rows import narrow_targets
 from jax_impl.sharding import on_mesh, row_spec, with_rows_axes
-
-
-def plan(t: Tuning, o: LogProbsOptions, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
-         platform) -> DistillConfig:
-    """The distillation losses' blocks (`plan_distillation`), but "memory" in the rows x
-    columns blocks of cross-entropy's (`interop.blocking.xla_memory_block_shape`), sized for
-    what XLA's products hold beyond the gradients (a copy of each block's x and of W's
-    columns, a GEMM workspace), where at least min(N, t.min_block) of their rows fit."""
-    cfg = plan_distillation(t, o, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
-                            platform)
-    itemsize = jnp.dtype(dtype).itemsize
-    if strategy != "memory" or not xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
-        return cfg
-    rows, cols = xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize)
-    return dataclasses.replace(cfg, block_rows=rows, block_cols=cols)
 
 
 def checked_call(input, linear_weight, target, linear_bias, o: LogProbsOptions, weight_layout, strategy, tuning,
@@ -88,8 +71,8 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
     platform = platform_of(input)
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
-    cfg = plan(tuning, dataclasses.replace(o, ignore_index=ignore32), weight_layout, strategy, n, shape.hidden,
-               local_vocab, input.dtype, accumulate_in_input_dtype, platform)
+    cfg = plan_steps(tuning, "log_probs", dataclasses.replace(o, ignore_index=ignore32), weight_layout, strategy, n,
+                     shape.hidden, local_vocab, input.dtype, accumulate_in_input_dtype, platform)
 
     def rows(x, W, b, y):
         outs = log_probs(x.reshape(n, shape.hidden), W, b, y, cfg, return_entropy, vocab_parallel)

@@ -23,7 +23,8 @@ from interop.tuning import Tuning
 from jax_impl import engine
 from jax_impl.distill_rules import DistillConfig
 from jax_impl.functional import as_array, choose_strategy, platform_of
-from jax_impl.log_probs import checked_call, plan
+from jax_impl.distill_rules import plan_steps
+from jax_impl.log_probs import checked_call
 from jax_impl.log_probs_rule import forward, forward_with_grads, grads
 from jax_impl.rows import compute_dtype, narrow_targets
 from jax_impl.sharding import on_mesh, with_rows_axes
@@ -143,8 +144,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     platform = platform_of(input)
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
-    cfg = plan(tuning, dataclasses.replace(head, ignore_index=ignore32), weight_layout, strategy, n, shape.hidden,
-               local_vocab, input.dtype, accumulate_in_input_dtype, platform)
+    cfg = plan_steps(tuning, "log_probs", dataclasses.replace(head, ignore_index=ignore32), weight_layout, strategy,
+                     n, shape.hidden, local_vocab, input.dtype, accumulate_in_input_dtype, platform)
 
     keys = tuple(tokens)
     skip = strategy != "chunked" and skipping_pays(tuning, n, shape.hidden, local_vocab)

@@ -121,11 +121,11 @@ def test_forward_only_does_no_gradient_work(strategy):
     """Without grad the call allocates no gradient buffers: its peak is the logits block of
     the forward-only plan and O(N) statistics, far below one grad_weight (V x D) here."""
     import torch_impl
-    from torch_impl.blocked import plan_blocks
+    from torch_impl import head
 
     n, d, v = 4096, 1024, 32000
     x, W, y = _large_problem(n, d, v, torch.bfloat16)
-    plan = plan_blocks(DEFAULT, strategy, n, d, v, torch.bfloat16, False, forward_only=True)
+    plan = head.plan(DEFAULT, "cross_entropy", strategy, n, d, v, torch.bfloat16, False, forward_only=True)
     block_bytes = plan.block_rows * plan.block_cols * 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -144,14 +144,14 @@ def test_speed_peak_is_two_weights_plus_one_block():
     3 W + dx)."""
     import torch_impl
     from interop.blocking import weight_grad_slabs
-    from torch_impl.blocked import plan_blocks
+    from torch_impl import head
 
     n, d, v = 1024, 4096, 50000  # two row blocks (49 MiB each) well below W (400 MiB): 3 W would fail
     tuning = Tuning(speed_block_elements=512 * v)
     x, W, y = _large_problem(n, d, v, torch.bfloat16)
     x.requires_grad_()
     W.requires_grad_()
-    plan = plan_blocks(tuning, "speed", n, d, v, torch.bfloat16, False)
+    plan = head.plan(tuning, "cross_entropy", "speed", n, d, v, torch.bfloat16, False)
     edges = weight_grad_slabs(tuning, v, d * 4, True)
     w_bytes, slabs, part = W.numel() * 2, len(edges) - 1, max(b - a for a, b in zip(edges, edges[1:])) * d * 2
     torch.cuda.synchronize()
@@ -296,7 +296,7 @@ def test_jax_column_remainder_shares_the_loops_buffers():
     from jax_impl.cross_entropy_rule import blocked_linear_cross_entropy
 
     n, d = 8192, 2304
-    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "memory", "tiles", 2816, 2048, False, True,
+    cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "memory", "tiles", 2816, 2048, True, True,
                         interpret=False, skip_ignored=False, fused_stats=True, tuning=DEFAULT)
 
     loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]

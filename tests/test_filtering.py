@@ -89,9 +89,9 @@ def run(x, W, y, b, cw, layout, opts, strategy, filter_eps, g_out, tuning: Tunin
 
 
 def speed_rows(vocab: int, dtype) -> int:
-    from torch_impl.blocked import plan_blocks
+    from torch_impl import head
 
-    rows = plan_blocks(SMALL_BLOCKS, "speed", N, D, vocab, dtype, False).block_rows
+    rows = head.plan(SMALL_BLOCKS, "cross_entropy", "speed", N, D, vocab, dtype, False).block_rows
     assert rows < N, "several row blocks"
     return rows
 
@@ -134,7 +134,7 @@ def test_filtered_speed_matches_simulated_rule(case, vocab, dtype, layout, gathe
 def test_filtered_speed_on_the_rows_not_ignored(case):
     """When only the rows not ignored are computed (torch_impl.functional.rows_to_compute),
     the rule applies to blocks of those rows; the ignored rows get a zero grad_input."""
-    from torch_impl.blocked import plan_blocks
+    from torch_impl import head
 
     skipping = dataclasses.replace(SMALL_BLOCKS, skip_ignored_min_work=0)
     opts, bias, class_weights = OPTION_CASES[case]
@@ -142,7 +142,7 @@ def test_filtered_speed_on_the_rows_not_ignored(case):
     x, W, y, b, cw = make_inputs(seed, vocab, torch.float32, "VD", bias, class_weights)
     g_out = torch.rand(N, generator=torch.Generator().manual_seed(seed)) + 0.5 if opts.get("reduction") == "none" else 1.0
     kept = y != -100
-    block_rows = plan_blocks(skipping, "speed", int(kept.sum()), D, vocab, torch.float32, False).block_rows
+    block_rows = head.plan(skipping, "cross_entropy", "speed", int(kept.sum()), D, vocab, torch.float32, False).block_rows
     assert block_rows < kept.sum(), "several row blocks"
     got = run(x, W, y, b, cw, "VD", opts, "speed", 1e-3, g_out, skipping)
     g_kept = g_out[kept] if isinstance(g_out, torch.Tensor) else g_out

@@ -156,13 +156,13 @@ def test_block_rules_split_these_problems():
     import torch
 
     from interop.blocking import chunk_rows
-    from torch_impl.blocked import plan_blocks
+    from torch_impl import head
 
     assert chunk_rows(SMALL, 13, 19, 53) == 5 and chunk_rows(SMALL, 14, 19, 53) == 6
     assert chunk_rows(SMALL, 0, 19, 53) == 1
-    speed = plan_blocks(SMALL, "speed", 13, 19, 53, torch.float32, False)
+    speed = head.plan(SMALL, "cross_entropy", "speed", 13, 19, 53, torch.float32, False)
     assert (speed.layout, speed.block_rows, speed.block_cols, speed.accumulate_dtype) == ("rows", 4, 53, torch.float32)
-    memory = plan_blocks(SMALL, "memory", 13, 19, 53, torch.bfloat16, False)
+    memory = head.plan(SMALL, "cross_entropy", "memory", 13, 19, 53, torch.bfloat16, False)
     assert memory.layout == "tiles" and memory.block_rows == 4 and 4 <= memory.block_cols < 53 and 53 % memory.block_cols
 
 
@@ -242,11 +242,11 @@ def test_memory_plans_in_whole_rows():
 
     from interop.options import CrossEntropyOptions
     from jax_impl.blocked import plan
-    from torch_impl.blocked import plan_blocks
+    from torch_impl import head
     from torch_impl.head import BlockPlan
 
     t = WHOLE_ROW_MEMORY
-    assert plan_blocks(t, "memory", 13, 19, 53, torch.float32, False) == BlockPlan("memory", "rows", 4, 53, torch.float32,
+    assert head.plan(t, "cross_entropy", "memory", 13, 19, 53, torch.float32, False) == BlockPlan("memory", "rows", 4, 53, torch.float32,
                                                                                    None, 238, t)
     cfg = plan(t, CrossEntropyOptions(), "VD", "memory", 13, 19, 53, jnp.bfloat16, False, False, "cpu")
     assert (cfg.strategy, cfg.layout, cfg.block_rows, cfg.block_cols, cfg.accumulate_in_input_dtype, cfg.tuning) == (
@@ -605,7 +605,7 @@ def test_forward_only_speed_blocks_take_the_accumulators_bytes():
     import torch
 
     import interop.blocking as blocking
-    from torch_impl.blocked import plan_blocks
+    from torch_impl import head
 
     t = DEFAULT
     assert t.min_block == 128
@@ -623,10 +623,10 @@ def test_forward_only_speed_blocks_take_the_accumulators_bytes():
         assert rows <= max(n, 1) and (rows % 128 == 0 or rows == n or n == 0)
         assert blocks == (-(-n // max(128, most // 128 * 128)) if n else 0) and (not n or n - (blocks - 1) * rows > 0)
     assert blocking.even_rows(t, 8192, 3156) == 2816 and blocking.even_rows(t, 8192, 3000) == 2816
-    speed = plan_blocks(t, "speed", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
+    speed = head.plan(t, "cross_entropy", "speed", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
     assert (speed.block_rows, speed.block_cols) == (3712, 256000)
-    memory = plan_blocks(t, "memory", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
-    assert memory == plan_blocks(t, "memory", 7373, 2304, 256000, torch.bfloat16, False)
+    memory = head.plan(t, "cross_entropy", "memory", 7373, 2304, 256000, torch.bfloat16, False, forward_only=True)
+    assert memory == head.plan(t, "cross_entropy", "memory", 7373, 2304, 256000, torch.bfloat16, False)
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -638,12 +638,12 @@ def test_forward_only_speed_in_larger_blocks_matches_reference(monkeypatch, dtyp
     match the float64 reference."""
     import torch
 
-    from torch_impl import blocked
+    from torch_impl import head
 
     t = dataclasses.replace(SMALL, skip_ignored_min_work=0) if skip else SMALL
     plans = []
-    plan_blocks = blocked.plan_blocks
-    monkeypatch.setattr(blocked, "plan_blocks", lambda *a, **k: plans.append(plan_blocks(*a, **k)) or plans[-1])
+    planner = head.plan
+    monkeypatch.setattr(head, "plan", lambda *a, **k: plans.append(planner(*a, **k)) or plans[-1])
     options, problem_kwargs, with_lse = CASES[case]
     seed = seed_of(case, dtype, "VD")
     p = make_problem(seed, lead=(61,), dtype=dtype, **problem_kwargs)
@@ -652,7 +652,7 @@ def test_forward_only_speed_in_larger_blocks_matches_reference(monkeypatch, dtyp
         out = adapter.call(p.x, p.W, p.y, linear_bias=p.b, weight=p.cw, return_lse=with_lse, **options)
     loss, lse = out if with_lse else (out, None)
     n_rows = 61 if not skip or case == "everything-none-lse" else int((p.y != options.get("ignore_index", -100)).sum())
-    with_grads = plan_blocks(t, "speed", n_rows, 19, 53, adapter.dtypes[dtype], False)
+    with_grads = planner(t, "cross_entropy", "speed", n_rows, 19, 53, adapter.dtypes[dtype], False)
     assert 1 < -(-n_rows // plans[-1].block_rows) < -(-n_rows // with_grads.block_rows)
     ref = reference(p, options, upstream_grads(seed, p, options.get("reduction", "mean"), False)[0], None)
     check_against_reference({"loss": loss.double().numpy(), **({"lse": lse.double().numpy()} if with_lse else {})},
@@ -664,11 +664,11 @@ def test_forward_only_plan_when_no_input_needs_a_gradient(monkeypatch):
     import torch
 
     import torch_impl
-    from torch_impl import blocked
+    from torch_impl import head
 
     flags = []
-    plan_blocks = blocked.plan_blocks
-    monkeypatch.setattr(blocked, "plan_blocks", lambda *a, **k: flags.append(k["forward_only"]) or plan_blocks(*a, **k))
+    planner = head.plan
+    monkeypatch.setattr(head, "plan", lambda *a, **k: flags.append(k["forward_only"]) or planner(*a, **k))
     p = make_problem(3)
     x, W, y = (torch.from_numpy(a) for a in (p.x, p.W, p.y))
     torch_impl.linear_cross_entropy(x, W, y, strategy="speed")

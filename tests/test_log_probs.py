@@ -295,20 +295,19 @@ def test_jax_memory_blocks_are_sized_for_xla():
     from interop import blocking
     from interop.log_probs import LogProbsOptions
     from interop.tuning import DEFAULT
-    from jax_impl.distill_rules import plan_distillation
-    from jax_impl.log_probs import plan
+    from jax_impl.distill_rules import plan_steps
 
     o = LogProbsOptions()
     for n, d, v in ((32768, 4096, 151936), (16384, 4096, 128256)):
-        cfg = plan(DEFAULT, o, "VD", "memory", n, d, v, jnp.bfloat16, False, "gpu")
+        cfg = plan_steps(DEFAULT, "log_probs", o, "VD", "memory", n, d, v, jnp.bfloat16, False, "gpu")
         assert (cfg.block_rows, cfg.block_cols) == blocking.xla_memory_block_shape(DEFAULT, n, d, v, 2)
         assert cfg.block_cols < v and cfg.strategy == "memory"
-        speed = plan(DEFAULT, o, "VD", "speed", n, d, v, jnp.bfloat16, False, "gpu")
-        assert speed == plan_distillation(DEFAULT, o, "VD", "speed", n, d, v, jnp.bfloat16, False, "gpu")
+        speed = plan_steps(DEFAULT, "log_probs", o, "VD", "speed", n, d, v, jnp.bfloat16, False, "gpu")
+        assert speed == plan_steps(DEFAULT, "distillation", o, "VD", "speed", n, d, v, jnp.bfloat16, False, "gpu")
     small = (1000, 257, 5003)
     assert not blocking.xla_memory_blocks_fit(DEFAULT, *small, 2)
-    assert plan(DEFAULT, o, "VD", "memory", *small, jnp.bfloat16, False, "gpu") == plan_distillation(
-        DEFAULT, o, "VD", "memory", *small, jnp.bfloat16, False, "gpu")
+    assert plan_steps(DEFAULT, "log_probs", o, "VD", "memory", *small, jnp.bfloat16, False, "gpu") == plan_steps(
+        DEFAULT, "distillation", o, "VD", "memory", *small, jnp.bfloat16, False, "gpu")
 
 
 # SMALL with room for XLA's blocks: JAX "memory" at 13 x 19 x 53 in blocks of 4 rows x 8 columns
@@ -322,12 +321,12 @@ def test_jax_memory_in_xla_blocks_matches_reference(case):
     import jax.numpy as jnp
 
     from interop.log_probs import LogProbsOptions
-    from jax_impl.log_probs import plan
+    from jax_impl.distill_rules import plan_steps
 
     for dtype in ("bfloat16", "float32"):
         p, options, g_lp, g_H = _problem(case, dtype)
-        cfg = plan(XLA_BLOCKS, LogProbsOptions(), "VD", "memory", p.y.size, p.x.shape[-1], p.vocab, jnp.dtype(dtype),
-                   False, "gpu")
+        cfg = plan_steps(XLA_BLOCKS, "log_probs", LogProbsOptions(), "VD", "memory", p.y.size, p.x.shape[-1], p.vocab,
+                         jnp.dtype(dtype), False, "gpu")
         assert (cfg.block_rows, cfg.block_cols) == (4, 8), (cfg.block_rows, cfg.block_cols)
         got = run_jax(p, options, g_lp, g_H, "memory", XLA_BLOCKS)
         check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{case}, {dtype}")
@@ -345,9 +344,9 @@ def test_auto_is_memory_in_pytorch(monkeypatch):
     for module in (torch_impl.log_probs, torch_impl.custom_ops):
         original = module.plan_steps
 
-        def spy(t, strategy, *args, original=original, **kwargs):
+        def spy(t, loss, strategy, *args, original=original, **kwargs):
             planned.append(strategy)
-            return original(t, strategy, *args, **kwargs)
+            return original(t, loss, strategy, *args, **kwargs)
 
         monkeypatch.setattr(module, "plan_steps", spy)
     x = torch.randn(64, 32, device="cuda", requires_grad=True)

@@ -40,27 +40,18 @@ def _run(framework: str, loss: str, tuning, strategy: str = "speed") -> dict:
 
 @pytest.fixture
 def plans(monkeypatch):
-    """[(the Tuning a planner got, the block rows it planned)] of every call's blocks."""
-    import jax_impl.blocked
-    import jax_impl.distillation
-    import torch_impl.blocked
-    import torch_impl.distillation
+    """[(the Tuning the planner got, the block rows it planned)] of every call's blocks: the
+    one planner of both frameworks, interop.planning.plan."""
+    from interop import planning
 
-    seen = []
+    seen, planner = [], planning.plan
 
-    def record(module, name):
-        planner = getattr(module, name)
+    def spy(t, *args, **kwargs):
+        plan = planner(t, *args, **kwargs)
+        seen.append((t, plan.rows))
+        return plan
 
-        def spy(t, *args, **kwargs):
-            plan = planner(t, *args, **kwargs)
-            seen.append((t, (plan[0] if isinstance(plan, tuple) else plan).block_rows))
-            return plan
-
-        monkeypatch.setattr(module, name, spy)
-
-    for module, name in ((torch_impl.blocked, "plan_blocks"), (torch_impl.distillation, "plan_steps"),
-                         (jax_impl.blocked, "plan"), (jax_impl.distillation, "plan_distillation")):
-        record(module, name)
+    monkeypatch.setattr(planning, "plan", spy)
     return seen
 
 

@@ -4,7 +4,7 @@ The logits are computed one block of [R rows, C vocabulary columns] at a time in
 reused buffer; the Triton kernels of `torch_impl.kernels` reduce a block to per-row
 statistics or rewrite it, in place, as dz; cuBLAS then adds dz's share to the gradients.
 
-Two strategies (`plan_blocks`):
+Two strategies (`torch_impl.head.plan`, from interop.planning):
 - "speed": blocks of whole rows (C = V). When the loss is reduced ("mean"/"sum") and
   no lse is returned, the gradients are computed during the forward pass (6 N D V flops)
   and the backward pass only scales them. grad_weight is accumulated across row blocks in
@@ -38,43 +38,13 @@ import math
 
 import torch
 
-from interop.blocking import block_shape, forward_only_rows, whole_row_memory_scratch
 from interop.options import CrossEntropyOptions
-from interop.tuning import Tuning
 from torch_impl import engine
 from torch_impl.arguments import dense
 from torch_impl.autograd import SECOND_ORDER_MESSAGE
 from torch_impl.head import BlockPlan, HeadBlocks, addmm_
 from torch_impl.kernels import FILTER_COLS, RowMath, TargetCheck, TileFilter, block_grad_, block_stats_
 from torch_impl.vocab_parallel import VocabSplit, combine_stats
-
-
-def plan_blocks(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype,
-                accumulate_in_input_dtype: bool, filter_eps: float | None = None, gathered_rows: bool = False,
-                n_all: int | None = None, forward_only: bool = False, split: bool = False) -> BlockPlan:
-    """The blocks (interop.blocking) and dW accumulation dtype of "speed" or "memory";
-    n_rows: the rows computed, of n_all (default n_rows); gathered_rows: they are gathered
-    from x (HeadBlocks.active); forward_only: the call takes no gradient ("speed" then
-    takes larger blocks: interop.blocking.forward_only_rows). "memory" in blocks of whole
-    rows (interop.blocking.whole_row_memory_scratch) accumulates grad_weight in the input
-    dtype and keeps the logits in a scratch after grad_input. split: a head split over the
-    vocabulary (vocab: the largest rank's classes), whose grad_input is an fp32 sum over the
-    ranks and holds no scratch."""
-    itemsize = dtype.itemsize
-    n_all = n_rows if n_all is None else n_all
-    scratch = None
-    if strategy == "memory" and not split:
-        scratch = whole_row_memory_scratch(t, n_all, n_rows, hidden, vocab, itemsize, gathered_rows)
-    if scratch:
-        return BlockPlan("memory", "rows", min(n_rows, scratch // vocab), vocab, dtype, filter_eps, scratch, t)
-    rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
-                             narrow_accumulator=accumulate_in_input_dtype)
-    if strategy == "speed" and forward_only:
-        rows = forward_only_rows(t, n_rows, hidden, vocab, itemsize)
-    if strategy == "speed":
-        return BlockPlan("speed", "rows", rows, cols, dtype if accumulate_in_input_dtype else torch.float32, filter_eps,
-                         tuning=t)
-    return BlockPlan("memory", "tiles", rows, cols, dtype, filter_eps, tuning=t)
 
 
 class CrossEntropyKernelRule(engine.Rule):

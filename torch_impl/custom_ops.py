@@ -68,13 +68,13 @@ def optional_shape(t):
     return None if t is None else tuple(t.shape)
 
 
-def block_steps(strategy, x, vocab, dtype, accumulate, tuning, buffers=1, speed_pays=True):
+def block_steps(loss, strategy, x, vocab, dtype, accumulate, tuning, buffers=1, speed_pays=True):
     """(plan, ops) of the block steps for the rows x [N, D] (`torch_impl.steps.plan_steps`;
     speed_pays as for `choose_strategy`)."""
     n, d = x.shape
     t = tuning_from_values(tuning)
     strategy = choose_strategy(strategy, x, n, d, vocab, t, speed_pays)
-    return plan_steps(t, strategy, n, d, vocab, dtype, accumulate, buffers)
+    return plan_steps(t, loss, strategy, n, d, vocab, dtype, accumulate, buffers)
 
 
 def formed_now(reduced: bool, strategy: str, input: torch.Tensor, *tensors) -> list[bool]:

@@ -191,7 +191,7 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
     if split is not None:  # this rank's columns: the ids and target in its slice of the classes
         teacher, y_kernel = teacher.columns_of(first, shape.vocab), local_targets(y_kernel, first, shape.vocab)
-    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
+    plan, ops = plan_steps(tuning, "distillation", strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
                            accumulate_in_input_dtype, gathered_rows=rows is not None)
     call = TopKCall(teacher, o, weight_layout, plan, ops, denominator(num_items_in_batch, wide, dev), rows, split)
     loss = engine.apply(call, x_ND, linear_weight, linear_bias, y_kernel, valid)
@@ -312,7 +312,7 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
     rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
     if rows is not None:
         valid = valid.index_select(0, rows)
-    plan, ops = plan_steps(tuning, strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
+    plan, ops = plan_steps(tuning, "distillation", strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
                            accumulate_in_input_dtype, buffers=2, gathered_rows=rows is not None)
     call = DenseCall(o, weight_layout, vocab, plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev),
                      rows, split)
@@ -368,7 +368,7 @@ def _topk_build(input, linear_weight, teacher_ids, teacher_logprobs, target, lin
                             temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft, weight_hard,
                             reduction, ignore_index, softcap, weight_layout, strategy)
     x, teacher, y, valid = _topk_operands(o, shape, input, teacher_ids, teacher_logprobs, target, row_mask)
-    plan, ops = custom_ops.block_steps(strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning)
+    plan, ops = custom_ops.block_steps("distillation", strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning)
     return TopKCall(teacher, o, weight_layout, plan, ops, None, None, None), (x, linear_weight, dense(linear_bias), y, valid)
 
 
@@ -419,7 +419,7 @@ def _dense_build(input, linear_weight, teacher_input, teacher_weight, target, ro
     o, shape = dense_checked(input, linear_weight, teacher_input, teacher_weight, target, row_mask, divergence, beta,
                              temperature, temperature_squared, reduction, ignore_index, weight_layout, strategy)
     x, xt, valid, vocab = _dense_operands(o, shape, input, teacher_input, target, row_mask)
-    plan, ops = custom_ops.block_steps(strategy, x, vocab, input.dtype, accumulate_in_input_dtype, tuning, buffers=2)
+    plan, ops = custom_ops.block_steps("distillation", strategy, x, vocab, input.dtype, accumulate_in_input_dtype, tuning, buffers=2)
     return DenseCall(o, weight_layout, vocab, plan, ops, None, None, None), (x, linear_weight, xt, teacher_weight, valid)
 
 

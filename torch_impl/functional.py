@@ -14,7 +14,7 @@ from torch_impl.arguments import autocast_inputs, check_tensors, dense, denomina
 from torch_impl.rows import compute_dtype
 from torch_impl import custom_ops
 from torch_impl.cross_entropy_rule import CrossEntropyCall
-from torch_impl import engine
+from torch_impl import engine, head
 from torch_impl.steps import choose_strategy, plan_steps
 
 try:
@@ -275,9 +275,9 @@ def _op_build(*args):
     b, cw = dense(linear_bias), dense(weight)
     strategy = choose_strategy(strategy, x, n, d, vocab, t)
     if strategy == "chunked":
-        plan, ops = plan_steps(t, strategy, n, d, vocab, x.dtype, accumulate)
+        plan, ops = plan_steps(t, "cross_entropy", strategy, n, d, vocab, x.dtype, accumulate)
         return CrossEntropyCall(opts, weight_layout, plan, ops), (x, linear_weight, b, cw, y)
-    plan = blocked.plan_blocks(t, strategy, n, d, vocab, x.dtype, accumulate, filter_eps, forward_only=not any(grads))
+    plan = head.plan(t, "cross_entropy", strategy, n, d, vocab, x.dtype, accumulate, filter_eps, forward_only=not any(grads))
     check = TargetCheck(y, cw, opts.ignore_index, vocab, watch=False)
     call = blocked.KernelCall(opts, weight_layout, dataclasses.replace(plan, host_sync=False), False, check)
     return call, (x, linear_weight, b, cw, y, None)
@@ -336,7 +336,7 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
     strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x_ND.device)
     if strategy == "chunked":  # block steps: the fallback
         check_target_range(y_N, shape.vocab, opts.ignore_index)
-        plan, ops = plan_steps(tuning, strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
+        plan, ops = plan_steps(tuning, "cross_entropy", strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
                                accumulate_in_input_dtype)
         loss, lse_N = engine.apply(CrossEntropyCall(opts, weight_layout, plan, ops, split), x_ND, linear_weight,
                                    linear_bias, weight, y_N.to(torch.int64))
@@ -350,10 +350,10 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_ND, linear_weight, linear_bias))
-        plan = blocked.plan_blocks(tuning, strategy, n_active, shape.hidden, plan_vocab, x_ND.dtype,
-                                   accumulate_in_input_dtype, filter_eps if split is None else None,
-                                   gathered_rows=active is not None, n_all=shape.n_rows, forward_only=not needs_grad,
-                                   split=split is not None)
+        plan = head.plan(tuning, "cross_entropy", strategy, n_active, shape.hidden, plan_vocab, x_ND.dtype,
+                         accumulate_in_input_dtype, filter_eps if split is None else None,
+                         gathered_rows=active is not None, n_all=shape.n_rows, forward_only=not needs_grad,
+                         split=split is not None)
         call = blocked.KernelCall(opts, weight_layout, plan, return_lse, check, split)
         loss, lse_N = engine.apply(call, x_ND, linear_weight, linear_bias, weight, y_N, active)
         if check.bad_count():

@@ -11,8 +11,10 @@ import functools
 
 import torch
 
+from interop import planning
 from interop.blocking import scratch_block_rows, weight_grad_slabs
 from interop.tuning import DEFAULT, Tuning
+from torch_impl.rows import compute_dtype
 
 SCRATCH_ALIGN = 64  # elements: a block's logits in grad_input's buffer start 128-byte aligned (16-bit)
 
@@ -40,6 +42,17 @@ class BlockPlan:
     grad_input_scratch: int = 0
     tuning: Tuning = DEFAULT
     host_sync: bool = True
+
+
+def plan(t: Tuning, loss: str, strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype,
+         accumulate_in_input_dtype: bool, filter_eps: float | None = None, **facts) -> BlockPlan:
+    """The call's BlockPlan: `interop.planning.plan` (loss, strategy and the facts it takes)
+    with grad_weight accumulated in dtype or in `compute_dtype(dtype)`; filter_eps: the
+    gradient filter's threshold (cross-entropy's kernels)."""
+    p = planning.plan(t, "torch", loss, strategy, n_rows, hidden, vocab, dtype.itemsize, accumulate_in_input_dtype,
+                      **facts)
+    acc = dtype if p.narrow_accumulator else compute_dtype(dtype)
+    return BlockPlan(p.strategy, p.layout, p.rows, p.cols, acc, filter_eps, p.scratch, t)
 
 
 def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:

@@ -18,10 +18,9 @@ import os
 
 import torch
 
-from interop.blocking import block_shape, chunk_rows, speed_extra_bytes
+from interop.blocking import speed_extra_bytes
 from interop.tuning import Tuning
-from torch_impl.head import BlockPlan
-from torch_impl.rows import compute_dtype
+from torch_impl import head
 
 try:
     from torch_impl import kernels, log_probs_kernels, pair_kernels
@@ -223,18 +222,13 @@ def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vo
     return "speed" if extra <= 0.25 * free else "memory"
 
 
-def plan_steps(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
-                      accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False):
-    """(BlockPlan, ops) of the paths driven by block steps (distillation, cross-entropy's
-    fallback): "speed" / "memory" on the Triton kernels (`KernelOps`) or "chunked" (`TorchOps`
-    on row chunks of whole rows); n_rows: the rows computed; buffers: 2 when a dense
-    teacher's logits are blocked too; gathered_rows: the rows are gathered (HeadBlocks.active)."""
-    wide = compute_dtype(dtype)
-    if strategy == "chunked":
-        rows = chunk_rows(t, n_rows, hidden, vocab)
-        return BlockPlan("chunked", "rows", rows, vocab, dtype if accumulate_in_input_dtype else wide, tuning=t), TorchOps
-    itemsize = dtype.itemsize
-    rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, buffers, gathered_rows=gathered_rows,
-                             narrow_accumulator=accumulate_in_input_dtype)
-    acc = dtype if (accumulate_in_input_dtype or strategy == "memory") else wide
-    return BlockPlan(strategy, "rows" if strategy == "speed" else "tiles", rows, cols, acc, tuning=t), KernelOps
+def plan_steps(t: Tuning, loss: str, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
+               accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False):
+    """(BlockPlan, ops) of the paths driven by block steps (distillation, log-probabilities,
+    cross-entropy's fallback): the call's plan (`torch_impl.head.plan`) with the steps that
+    run it, the Triton kernels (`KernelOps`) or, for "chunked", `TorchOps`; n_rows: the rows
+    computed; buffers: 2 when a dense teacher's logits are blocked too; gathered_rows: the
+    rows are gathered (HeadBlocks.active)."""
+    plan = head.plan(t, loss, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype, buffers=buffers,
+                     gathered_rows=gathered_rows)
+    return plan, (TorchOps if strategy == "chunked" else KernelOps)

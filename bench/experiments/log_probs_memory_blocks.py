@@ -36,8 +36,8 @@ RULES = {"rows-first": rows_first, "halves": lambda t, n, d, v, i: blocking.bloc
 def torch_plan(rule):
     original = tlp.plan_steps
 
-    def plan_steps(t, strategy, n, d, v, dtype, *args, **kwargs):
-        plan, ops = original(t, strategy, n, d, v, dtype, *args, **kwargs)
+    def plan_steps(t, loss, strategy, n, d, v, dtype, *args, **kwargs):
+        plan, ops = original(t, loss, strategy, n, d, v, dtype, *args, **kwargs)
         if strategy == "memory":
             rows, cols = RULES[rule](t, n, d, v, dtype.itemsize)
             plan = dataclasses.replace(plan, block_rows=rows, block_cols=cols)
@@ -47,10 +47,10 @@ def torch_plan(rule):
 
 
 def jax_plan(rule):
-    original = jlp.plan
+    original = jlp.plan_steps
 
-    def plan(t, o, layout, strategy, n, d, v, dtype, *args):
-        cfg = original(t, o, layout, strategy, n, d, v, dtype, *args)
+    def plan(t, loss, o, layout, strategy, n, d, v, dtype, *args):
+        cfg = original(t, loss, o, layout, strategy, n, d, v, dtype, *args)
         if strategy == "memory":
             import jax.numpy as jnp
 
@@ -75,7 +75,7 @@ def main(shapes):
         for r in rows[-len(got):]:
             log(r)
     for rule in ("xla", "rows-first", "halves"):
-        jlp.plan = jax_plan(rule)
+        jlp.plan_steps = jax_plan(rule)
         got = bench_lp.run_jax(shapes, 5, lambda r: None, {"jax-ours-memory"})
         rows += [dict(r, plan=rule) for r in got]
         for r in rows[-len(got):]:

@@ -1,0 +1,117 @@
+"""The one planner of both frameworks: how a call is cut into blocks of logits.
+
+`plan` turns a call's facts (which loss, which framework, its strategy, N, D, V, the input's
+bytes per value) into a `Plan`; `torch_impl.head.plan` and the JAX configurations
+(`jax_impl.blocked.plan`, `jax_impl.distill_rules.plan_rows`) only translate it. The block
+shapes are interop.blocking's rules, their numbers the call's `Tuning`.
+
+| strategy | cross-entropy (its fused kernels) | the other losses (block steps) |
+|---|---|---|
+| "chunked" | whole rows, `chunk_rows` of them | the same |
+| "speed" | whole rows (`block_shape`); larger ones when no gradient is taken (PyTorch) | whole rows (`block_shape`) |
+| "memory" | whole rows where enough fit (`whole_row_memory_scratch` / `..._block_rows`), else tiles: PyTorch `block_shape`, JAX sized for XLA's temporaries, or its own products' on small heads | tiles (`block_shape`); JAX log-probabilities: XLA's tiles where they fit |
+
+The frameworks differ where their products do: PyTorch's "speed" grows its blocks when
+grad_weight accumulates in 16 bits (cuBLAS adds into it in place); XLA owns grad_input's
+buffer, so JAX's whole-row "memory" blocks cannot grow into it, and its tiles leave room for
+XLA's GEMM workspace. grad_weight accumulates in the input dtype with
+accumulate_in_input_dtype or under "memory" (the least memory), else in fp32 (fp64 for fp64
+inputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from interop.blocking import (block_shape, chunk_rows, forward_only_rows, kernel_memory_block_shape, skipping_pays,
+                              whole_row_memory_block_rows, whole_row_memory_scratch, xla_memory_block_shape,
+                              xla_memory_blocks_fit)
+from interop.tuning import Tuning
+
+FRAMEWORKS = ("torch", "jax")
+LOSSES = ("cross_entropy", "distillation", "log_probs")  # log_probs: the policy loss too
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """strategy: "speed", "memory" or "chunked"; layout: "rows" (blocks of whole rows, whose
+    gradients can be formed in the forward pass) or "tiles" (rows x vocabulary columns,
+    recomputed in the backward pass); rows, cols: a block's; narrow_accumulator: grad_weight
+    accumulates in the input dtype; scratch: PyTorch's elements of logits scratch after
+    grad_input (whole-row "memory", 0: none); skip_ignored: JAX computes only the row blocks
+    holding rows whose target is not ignored (PyTorch gathers those rows before planning);
+    fused_stats: JAX's "memory" forward pass takes its statistics without a logits block;
+    kernel_products: JAX's tiles are multiplied by its own kernels (small heads)."""
+
+    strategy: str
+    layout: str
+    rows: int
+    cols: int
+    narrow_accumulator: bool
+    scratch: int = 0
+    skip_ignored: bool = False
+    fused_stats: bool = False
+    kernel_products: bool = False
+
+
+def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int,
+         accumulate_in_input_dtype: bool, *, buffers: int = 1, gathered_rows: bool = False, n_all: int | None = None,
+         forward_only: bool = False, split: bool = False, return_lse: bool = False) -> Plan:
+    """The call's Plan (the table above). n_rows: the rows computed, of n_all (default n_rows);
+    vocab: the classes a device plans for (a split head: the largest rank's); buffers: logits
+    buffers held at once (2: a dense teacher's beside the student's); gathered_rows: PyTorch
+    gathers the rows computed (each row block a copy); forward_only: no gradient is taken;
+    split: a head split over the vocabulary (PyTorch: grad_input is an fp32 sum over the
+    ranks, so no whole-row scratch after it); return_lse: the call returns lse (JAX then
+    computes every row)."""
+    if framework not in FRAMEWORKS or loss not in LOSSES:
+        raise ValueError(f"plan: framework must be one of {FRAMEWORKS} and loss one of {LOSSES}, "
+                         f"got {framework!r}, {loss!r}")
+    narrow = accumulate_in_input_dtype or strategy == "memory"
+    if strategy == "chunked":
+        return Plan(strategy, "rows", chunk_rows(t, n_rows, hidden, vocab), vocab, narrow)
+    if loss == "cross_entropy" and framework == "torch":
+        n_all = n_rows if n_all is None else n_all
+        return _torch_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, gathered_rows, n_all,
+                                    forward_only, split)
+    if loss == "cross_entropy":
+        return _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse)
+    if framework == "jax" and loss == "log_probs" and strategy == "memory" and \
+            xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
+        return Plan(strategy, "tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize), narrow)
+    # PyTorch's rows may be gathered; JAX's block steps read them in place
+    rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, buffers,
+                             gathered_rows=gathered_rows and framework == "torch",
+                             narrow_accumulator=accumulate_in_input_dtype and framework == "torch")
+    return Plan(strategy, "rows" if strategy == "speed" else "tiles", rows, cols, narrow)
+
+
+def _torch_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, gathered_rows, n_all, forward_only,
+                         split) -> Plan:
+    scratch = None
+    if strategy == "memory" and not split:
+        scratch = whole_row_memory_scratch(t, n_all, n_rows, hidden, vocab, itemsize, gathered_rows)
+    if scratch:
+        return Plan(strategy, "rows", min(n_rows, scratch // vocab), vocab, narrow, scratch=scratch)
+    rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
+                             narrow_accumulator=narrow)
+    if strategy == "speed":
+        rows = forward_only_rows(t, n_rows, hidden, vocab, itemsize) if forward_only else rows
+        return Plan(strategy, "rows", rows, cols, narrow)
+    return Plan(strategy, "tiles", rows, cols, narrow)
+
+
+def _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse) -> Plan:
+    skip = not return_lse and skipping_pays(t, n_rows, hidden, vocab)
+    if strategy == "speed":
+        rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip)
+        return Plan(strategy, "rows", rows, cols, narrow, skip_ignored=skip)
+    memory = functools.partial(Plan, strategy, narrow_accumulator=narrow, skip_ignored=skip, fused_stats=True)
+    whole_rows = whole_row_memory_block_rows(t, n_rows, hidden, vocab, itemsize, skip)
+    if whole_rows:
+        return memory("rows", whole_rows, vocab)
+    kernel_shape = kernel_memory_block_shape(t, n_rows, hidden, vocab, itemsize) if itemsize <= 4 else None
+    if kernel_shape:
+        return memory("tiles", *kernel_shape, kernel_products=True)
+    return memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize))

@@ -1,0 +1,56 @@
+"""interop.planning.plan, the one planner of both frameworks: what it guarantees for every
+framework, loss and strategy (the block shapes themselves are interop.blocking's, tested in
+test_implementations)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from interop import blocking, planning
+from interop.tuning import DEFAULT
+from tests.frameworks import SMALL
+
+SHAPES = {"L": (16384, 4096, 128256), "G": (8192, 2304, 256000), "S": (4096, 1024, 32000), "odd": (13, 19, 53)}
+CASES = list(itertools.product(planning.FRAMEWORKS, planning.LOSSES, ("speed", "memory", "chunked")))
+
+
+def test_unknown_framework_or_loss_is_refused():
+    with pytest.raises(ValueError, match=r"framework .* 'flax'"):
+        planning.plan(DEFAULT, "flax", "cross_entropy", "speed", 13, 19, 53, 2, False)
+    with pytest.raises(ValueError, match=r"loss .* 'dpo'"):
+        planning.plan(DEFAULT, "torch", "dpo", "speed", 13, 19, 53, 2, False)
+
+
+@pytest.mark.parametrize("t", [DEFAULT, SMALL], ids=["default", "small"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_plan_covers_the_head_and_accumulates_as_documented(shape, t):
+    """For every framework, loss and strategy: blocks of at least one row, at most N rows
+    and V columns; "speed" and "chunked" in whole rows; grad_weight in the input dtype
+    exactly with accumulate_in_input_dtype or under "memory"; "chunked" the same plan
+    everywhere (chunk_rows whole rows)."""
+    n, d, v = SHAPES[shape]
+    for (framework, loss, strategy), accumulate in itertools.product(CASES, (False, True)):
+        p = planning.plan(t, framework, loss, strategy, n, d, v, 2, accumulate)
+        what = (framework, loss, strategy, accumulate)
+        assert 1 <= p.rows <= n and 1 <= p.cols <= v and p.strategy == strategy, (what, p)
+        assert p.narrow_accumulator == (accumulate or strategy == "memory"), (what, p)
+        if strategy != "memory":
+            assert p.layout == "rows" and p.cols == v, (what, p)
+        if p.layout == "rows":
+            assert p.cols == v, (what, p)
+        if strategy == "chunked":
+            assert p == planning.Plan("chunked", "rows", blocking.chunk_rows(t, n, d, v), v, accumulate), (what, p)
+
+
+@pytest.mark.parametrize("shape", ["L", "G", "S"])
+def test_both_frameworks_take_whole_rows_for_memory_alike(shape):
+    """Cross-entropy's "memory" runs in whole rows in JAX exactly where it does in PyTorch
+    (XLA owns grad_input's buffer, so JAX's blocks may be smaller)."""
+    n, d, v = SHAPES[shape]
+    torch_plan = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", n, d, v, 2, False)
+    jax_plan = planning.plan(DEFAULT, "jax", "cross_entropy", "memory", n, d, v, 2, False)
+    assert (torch_plan.layout == "rows") == (jax_plan.layout == "rows") == (torch_plan.scratch > 0)
+    if jax_plan.layout == "rows":
+        assert jax_plan.rows <= torch_plan.rows
