@@ -25,8 +25,8 @@ import dataclasses
 import functools
 
 from interop.blocking import (block_shape, chunk_rows, forward_only_rows, kernel_memory_block_shape, skipping_pays,
-                              whole_row_memory_block_rows, whole_row_memory_scratch, xla_memory_block_shape,
-                              xla_memory_blocks_fit)
+                              whole_row_memory_block_rows, whole_row_memory_scratch, without_a_thin_last_block,
+                              xla_memory_block_shape, xla_memory_blocks_fit)
 from interop.tuning import Tuning
 
 FRAMEWORKS = ("torch", "jax")
@@ -57,24 +57,38 @@ class Plan:
 
 def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int,
          accumulate_in_input_dtype: bool, *, buffers: int = 1, gathered_rows: bool = False, n_all: int | None = None,
-         forward_only: bool = False, split: bool = False, return_lse: bool = False) -> Plan:
+         forward_only: bool = False, whole_vocab: int | None = None, return_lse: bool = False) -> Plan:
     """The call's Plan (the table above). n_rows: the rows computed, of n_all (default n_rows);
     vocab: the classes a device plans for (a split head: the largest rank's); buffers: logits
     buffers held at once (2: a dense teacher's beside the student's); gathered_rows: PyTorch
     gathers the rows computed (each row block a copy); forward_only: no gradient is taken;
-    split: a head split over the vocabulary (PyTorch: grad_input is an fp32 sum over the
-    ranks, so no whole-row scratch after it); return_lse: the call returns lse (JAX then
-    computes every row)."""
+    return_lse: the call returns lse (JAX then computes every row).
+
+    whole_vocab: a head split over the vocabulary, whose whole head has these classes
+    (PyTorch's grad_input is then an fp32 sum over the ranks: no whole-row scratch after
+    it). "memory" then takes the logits block one device would for the whole head, over the
+    device's classes: the same tiles, or whole rows of fewer classes, as many more rows
+    (`without_a_thin_last_block`). Its budget is a fraction of the gradients' bytes, and a
+    device's share of them (grad_input whole, V / P classes) would leave it blocks of a few
+    rows (JAX at L on 2 devices: 128 rows, 0.9x one device's speed)."""
     if framework not in FRAMEWORKS or loss not in LOSSES:
         raise ValueError(f"plan: framework must be one of {FRAMEWORKS} and loss one of {LOSSES}, "
                          f"got {framework!r}, {loss!r}")
+    if strategy == "memory" and whole_vocab is not None and whole_vocab > vocab:
+        p = plan(t, framework, loss, strategy, n_rows, hidden, whole_vocab, itemsize, accumulate_in_input_dtype,
+                 buffers=buffers, gathered_rows=gathered_rows, n_all=n_all, forward_only=forward_only,
+                 whole_vocab=whole_vocab, return_lse=return_lse)
+        if p.layout == "tiles":
+            return dataclasses.replace(p, cols=min(p.cols, vocab))
+        rows = without_a_thin_last_block(t, n_rows, min(n_rows, p.rows * whole_vocab // max(vocab, 1)))
+        return dataclasses.replace(p, rows=rows, cols=vocab)
     narrow = accumulate_in_input_dtype or strategy == "memory"
     if strategy == "chunked":
         return Plan(strategy, "rows", chunk_rows(t, n_rows, hidden, vocab), vocab, narrow)
     if loss == "cross_entropy" and framework == "torch":
         n_all = n_rows if n_all is None else n_all
         return _torch_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, gathered_rows, n_all,
-                                    forward_only, split)
+                                    forward_only, whole_vocab is not None)
     if loss == "cross_entropy":
         return _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse)
     if framework == "jax" and loss == "log_probs" and strategy == "memory" and \

@@ -69,12 +69,13 @@ class BlockedConfig:
 
 
 def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
-         return_lse, platform) -> BlockedConfig:
+         return_lse, platform, whole_vocab: int | None = None) -> BlockedConfig:
     """The call's configuration: `interop.planning.plan`'s blocks ("memory": whole rows where
     PyTorch's take them, else tiles sized for XLA's temporaries, or for `row_products`'
-    kernels on small heads; its forward pass without gradients from `fused_stats`)."""
+    kernels on small heads; its forward pass without gradients from `fused_stats`);
+    whole_vocab: a split head's classes (vocab: the device's)."""
     p = planning.plan(t, "jax", "cross_entropy", strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
-                      accumulate_in_input_dtype, return_lse=return_lse)
+                      accumulate_in_input_dtype, return_lse=return_lse, whole_vocab=whole_vocab)
     return BlockedConfig(options, weight_layout, strategy, p.layout, p.rows, p.cols, p.narrow_accumulator, return_lse,
                          interpret=platform != "gpu", skip_ignored=p.skip_ignored, fused_stats=p.fused_stats, tuning=t,
                          kernel_products=p.kernel_products)

@@ -161,14 +161,15 @@ def _local(cfg: BlockedConfig, axes: Axes, x_ND, W, y_N, cw_V):
         return cfg, None
     opts, scale = cfg.options, None
     vocab = W.shape[0] if cfg.weight_layout == "VD" else W.shape[1]
+    whole = vocab * (jax.lax.psum(1, axes.vocab) if axes.vocab else 1)
     if axes.rows and opts.reduction == "mean":
         opts = dataclasses.replace(opts, reduction="sum")
-        whole = vocab * (jax.lax.psum(1, axes.vocab) if axes.vocab else 1)
         wide = compute_dtype(x_ND.dtype)
         rows = TargetRows.build(y_N, None if cw_V is None else cw_V.astype(wide), whole, opts.ignore_index, wide)
         scale = 1.0 / jax.lax.psum(rows.cw_y.sum(), axes.rows)
     local = blocked.plan(cfg.tuning, opts, cfg.weight_layout, cfg.strategy, x_ND.shape[0], x_ND.shape[1], vocab,
-                         x_ND.dtype, cfg.accumulate_in_input_dtype, cfg.return_lse, "cpu" if cfg.interpret else "gpu")
+                         x_ND.dtype, cfg.accumulate_in_input_dtype, cfg.return_lse, "cpu" if cfg.interpret else "gpu",
+                         whole if axes.vocab else None)
     return (blocked.split_config(local) if axes.vocab else local), scale
 
 

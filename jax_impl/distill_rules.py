@@ -71,13 +71,14 @@ class DistillConfig:
 
 
 def plan_steps(t: Tuning, loss: str, options, weight_layout, strategy, n_rows, hidden, vocab, dtype,
-               accumulate_in_input_dtype, platform) -> DistillConfig:
+               accumulate_in_input_dtype, platform, whole_vocab: int | None = None) -> DistillConfig:
     """The configuration of a call of the block-step losses (loss "distillation" or
     "log_probs", the policy loss's too): `interop.planning.plan`'s blocks; a dense teacher's
-    logits are blocked beside the student's (2 buffers)."""
+    logits are blocked beside the student's (2 buffers); whole_vocab: a split head's classes
+    (vocab: the device's)."""
     buffers = 2 if isinstance(options, DenseDistillationOptions) else 1
     p = planning.plan(t, "jax", loss, strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
-                      accumulate_in_input_dtype, buffers=buffers)
+                      accumulate_in_input_dtype, buffers=buffers, whole_vocab=whole_vocab)
     return DistillConfig(options, weight_layout, strategy, p.rows, p.cols, vocab, p.narrow_accumulator,
                          interpret=platform != "gpu")
 

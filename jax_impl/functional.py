@@ -204,7 +204,7 @@ def linear_cross_entropy(
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
     cfg = blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
-                       accumulate_in_input_dtype, return_lse, platform)
+                       accumulate_in_input_dtype, return_lse, platform, None if vocab_parallel is None else shape.vocab)
     if vocab_parallel is not None:
         linear_weight, linear_bias = with_rows_axes((linear_weight, linear_bias), input)
         loss, lse = blocked_linear_cross_entropy(input.reshape(n, shape.hidden), linear_weight, linear_bias, weight,

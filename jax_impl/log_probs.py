@@ -72,7 +72,8 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
     cfg = plan_steps(tuning, "log_probs", dataclasses.replace(o, ignore_index=ignore32), weight_layout, strategy, n,
-                     shape.hidden, local_vocab, input.dtype, accumulate_in_input_dtype, platform)
+                     shape.hidden, local_vocab, input.dtype, accumulate_in_input_dtype, platform,
+                     None if vocab_parallel is None else shape.vocab)
 
     def rows(x, W, b, y):
         outs = log_probs(x.reshape(n, shape.hidden), W, b, y, cfg, return_entropy, vocab_parallel)

@@ -145,7 +145,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
     cfg = plan_steps(tuning, "log_probs", dataclasses.replace(head, ignore_index=ignore32), weight_layout, strategy,
-                     n, shape.hidden, local_vocab, input.dtype, accumulate_in_input_dtype, platform)
+                     n, shape.hidden, local_vocab, input.dtype, accumulate_in_input_dtype, platform,
+                     None if vocab_parallel is None else shape.vocab)
 
     keys = tuple(tokens)
     skip = strategy != "chunked" and skipping_pays(tuning, n, shape.hidden, local_vocab)

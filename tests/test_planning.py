@@ -54,3 +54,23 @@ def test_both_frameworks_take_whole_rows_for_memory_alike(shape):
     assert (torch_plan.layout == "rows") == (jax_plan.layout == "rows") == (torch_plan.scratch > 0)
     if jax_plan.layout == "rows":
         assert jax_plan.rows <= torch_plan.rows
+
+
+@pytest.mark.parametrize("shape", ["L", "G", "odd"])
+def test_a_split_head_keeps_one_devices_memory_block(shape):
+    """On a head split over P devices, "memory" takes one device's logits block over the
+    device's classes (the same tiles, or as many more whole rows), never fewer rows; the
+    other strategies plan the device's classes as they are."""
+    n, d, v = SHAPES[shape]
+    t = SMALL if shape == "odd" else DEFAULT
+    for (framework, loss, strategy), P in itertools.product(CASES, (2, 4)):
+        local = -(-v // P)
+        one = planning.plan(t, framework, loss, strategy, n, d, v, 2, False, whole_vocab=v)
+        split = planning.plan(t, framework, loss, strategy, n, d, local, 2, False, whole_vocab=v)
+        what = (framework, loss, strategy, P, one, split)
+        if strategy != "memory":
+            assert split == planning.plan(t, framework, loss, strategy, n, d, local, 2, False), what
+            continue
+        assert split.layout == one.layout and split.rows >= one.rows and split.scratch == 0, what
+        assert split.rows * split.cols <= one.rows * one.cols, what
+        assert split.cols == (min(one.cols, local) if one.layout == "tiles" else local), what

@@ -192,7 +192,8 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
     if split is not None:  # this rank's columns: the ids and target in its slice of the classes
         teacher, y_kernel = teacher.columns_of(first, shape.vocab), local_targets(y_kernel, first, shape.vocab)
     plan, ops = plan_steps(tuning, "distillation", strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
-                           accumulate_in_input_dtype, gathered_rows=rows is not None)
+                           accumulate_in_input_dtype, gathered_rows=rows is not None,
+                           whole_vocab=None if split is None else split.vocab)
     call = TopKCall(teacher, o, weight_layout, plan, ops, denominator(num_items_in_batch, wide, dev), rows, split)
     loss = engine.apply(call, x_ND, linear_weight, linear_bias, y_kernel, valid)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
@@ -313,7 +314,8 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
     if rows is not None:
         valid = valid.index_select(0, rows)
     plan, ops = plan_steps(tuning, "distillation", strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
-                           accumulate_in_input_dtype, buffers=2, gathered_rows=rows is not None)
+                           accumulate_in_input_dtype, buffers=2, gathered_rows=rows is not None,
+                           whole_vocab=None if split is None else split.vocab)
     call = DenseCall(o, weight_layout, vocab, plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev),
                      rows, split)
     loss = engine.apply(call, x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid)

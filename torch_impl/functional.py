@@ -353,7 +353,7 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         plan = head.plan(tuning, "cross_entropy", strategy, n_active, shape.hidden, plan_vocab, x_ND.dtype,
                          accumulate_in_input_dtype, filter_eps if split is None else None,
                          gathered_rows=active is not None, n_all=shape.n_rows, forward_only=not needs_grad,
-                         split=split is not None)
+                         whole_vocab=None if split is None else split.vocab)
         call = blocked.KernelCall(opts, weight_layout, plan, return_lse, check, split)
         loss, lse_N = engine.apply(call, x_ND, linear_weight, linear_bias, weight, y_N, active)
         if check.bad_count():

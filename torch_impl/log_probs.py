@@ -117,7 +117,7 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
     plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
     strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning, speed_pays=False)
     plan, ops = plan_steps(tuning, "log_probs", strategy, shape.n_rows, shape.hidden, plan_vocab, x_ND.dtype,
-                           accumulate_in_input_dtype)
+                           accumulate_in_input_dtype, whole_vocab=None if split is None else split.vocab)
     logp, entropy, argmax = engine.apply(LogProbsCall(o, weight_layout, plan, ops, split), x_ND, linear_weight,
                                          dense(linear_bias), y_N)
     return tuple(t.reshape(shape.lead_shape) for t in (logp, entropy, argmax))

@@ -278,6 +278,7 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
     if rows is not None:  # an ignored token adds nothing: the kernels compute only the others
         y_N, tokens = y_N[rows], {k: None if v is None else v[rows] for k, v in tokens.items()}
     plan, ops = plan_steps(tuning, "log_probs", strategy, y_N.shape[0], shape.hidden, plan_vocab, x_ND.dtype,
-                           accumulate_in_input_dtype, gathered_rows=rows is not None)
+                           accumulate_in_input_dtype, gathered_rows=rows is not None,
+                           whole_vocab=None if split is None else split.vocab)
     call = PolicyCall(o, head, weight_layout, plan, ops, rows, split)
     return engine.apply(call, x_ND, linear_weight, dense(linear_bias), y_N, *(tokens[k] for k in TOKEN_ARGUMENTS))

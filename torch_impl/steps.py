@@ -223,12 +223,13 @@ def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vo
 
 
 def plan_steps(t: Tuning, loss: str, strategy: str, n_rows: int, hidden: int, vocab: int, dtype,
-               accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False):
+               accumulate_in_input_dtype: bool, buffers: int = 1, gathered_rows: bool = False,
+               whole_vocab: int | None = None):
     """(BlockPlan, ops) of the paths driven by block steps (distillation, log-probabilities,
     cross-entropy's fallback): the call's plan (`torch_impl.head.plan`) with the steps that
     run it, the Triton kernels (`KernelOps`) or, for "chunked", `TorchOps`; n_rows: the rows
     computed; buffers: 2 when a dense teacher's logits are blocked too; gathered_rows: the
-    rows are gathered (HeadBlocks.active)."""
+    rows are gathered (HeadBlocks.active); whole_vocab: a split head's classes."""
     plan = head.plan(t, loss, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype, buffers=buffers,
-                     gathered_rows=gathered_rows)
+                     gathered_rows=gathered_rows, whole_vocab=whole_vocab)
     return plan, (TorchOps if strategy == "chunked" else KernelOps)
