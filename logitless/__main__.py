@@ -35,7 +35,8 @@ def _torch_lines() -> list[str]:
     import torch
 
     from interop.tuning import DEFAULT
-    from torch_impl.steps import choose_strategy, kernels_can_run, plan_steps
+    from torch_impl.head import plan
+    from torch_impl.steps import choose_strategy, kernels_can_run
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.empty(0, dtype=torch.bfloat16, device=device)
@@ -43,12 +44,7 @@ def _torch_lines() -> list[str]:
     lines = [f"PyTorch on {where}: the Triton kernels {'run' if kernels_can_run(x) else 'do not run (chunked)'}"]
     for name, (n, d, v) in SHAPES.items():
         strategy = choose_strategy("auto", x, n, d, v, DEFAULT)
-        if strategy == "chunked":
-            p, _ = plan_steps(DEFAULT, strategy, n, d, v, torch.bfloat16, False)
-        else:
-            from torch_impl import blocked  # Triton: only where the kernels run
-
-            p = blocked.plan_blocks(DEFAULT, strategy, n, d, v, torch.bfloat16, False)
+        p = plan(DEFAULT, "cross_entropy", strategy, n, d, v, torch.bfloat16, False)
         lines.append(f"  auto at {name} {n}x{d}x{v}: {strategy}, blocks of {p.block_rows} rows x {p.block_cols} "
                      f"classes ({p.layout})")
     return lines
