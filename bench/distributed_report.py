@@ -190,11 +190,12 @@ def _scaling_table(folder: str, ps: list[int]) -> str:
     return text + "\n".join(lines) + "\n"
 
 
-def _table(folder: str, p: int, one: dict) -> str:
-    """The caption and table of every workload measured on P GPUs."""
+def _table(folder: str, p: int, one: dict, split_head: bool) -> str:
+    """The caption and table of every workload measured on P GPUs; split_head: with the
+    cross-entropy's split head (which the scaling table shows where there is one)."""
     many = _load(folder, f"distributed_{p}gpu.json")
     env = many["environment"]
-    rows = _split_head_rows(one, many, _load(folder, f"distributed_{p}gpu_weak.json"), p)
+    rows = _split_head_rows(one, many, _load(folder, f"distributed_{p}gpu_weak.json"), p) if split_head else []
     for loss in ("topk", "log_probs", "policy"):
         loss_one, loss_many = _load(folder, f"split_1gpu_{loss}.json"), _load(folder, f"split_{p}gpu_{loss}.json")
         if loss_one is not None and loss_many is not None:
@@ -224,10 +225,11 @@ def _table(folder: str, p: int, one: dict) -> str:
 
 def distributed_section(folder: str) -> str | None:
     """The section's text (the split head's scaling over every P measured, then a table per
-    P), or None without the split head's runs."""
+    P of the other workloads; with one P, its table holds the split head too), or None
+    without the split head's runs."""
     ps = ranks_measured(folder)
     one = _load(folder, "distributed_1gpu.json")
     if not ps or one is None:
         return None
-    tables = [_table(folder, p, one) for p in ps]
+    tables = [_table(folder, p, one, split_head=len(ps) == 1) for p in ps]
     return "\n".join(([_scaling_table(folder, ps)] if len(ps) > 1 else []) + tables)
