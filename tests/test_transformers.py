@@ -648,3 +648,64 @@ def test_the_finetuning_example_learns():
     assert out.returncode == 0, out.stderr
     losses = [float(x) for x in re.findall(r"loss (\S+)", out.stdout)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 1
+
+
+def _reference_log_probs(model: nn.Module, temperature: float, **inputs):
+    """(log_probs, entropy) [B, T] of the unpatched model's logits: the shifted labels'
+    log-probabilities at the temperature and the entropy, 0 where the label is -100."""
+    logits = model(input_ids=inputs["input_ids"]).logits.float() / temperature
+    targets = patching._shift_targets(inputs["labels"], -100)
+    logp = logits.log_softmax(-1)
+    valid = targets != -100
+    token = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.where(valid, token, 0.0), torch.where(valid, entropy, 0.0)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "Qwen3MoeForCausalLM"])
+def test_log_prob_mode_matches_the_original_logits(name):
+    """model(..., labels=..., return_log_probs=True, temperature=T, return_entropy=True), in
+    train and eval mode: per-token log-probabilities and entropy (0 where the label is -100)
+    and the gradients of any function of them equal those from the original's logits; no
+    logits, no loss (a mixture of experts keeps its aux_loss); only the labelled positions
+    reach the head."""
+    reference, model = make_model(name), patch_causal_lm(make_model(name))
+    inputs, temperature = make_batch(), 0.7
+    gen = torch.Generator().manual_seed(2)
+    g_lp, g_H = torch.randn(2, 9, generator=gen), torch.randn(2, 9, generator=gen)
+    rows = []
+    original = patching.linear_log_probs
+    spy = lambda x, *a, **k: rows.append(x.shape[0]) or original(x, *a, **k)
+    for mode in ("train", "eval"):
+        getattr(reference, mode)(), getattr(model, mode)()
+        for m in (reference, model):
+            m.zero_grad(set_to_none=True)
+        want = _reference_log_probs(reference, temperature, **inputs)
+        sum(g * v for g, v in zip((g_lp, g_H), want)).sum().backward()
+        patching.linear_log_probs = spy
+        try:
+            out = model(**inputs, return_log_probs=True, temperature=temperature, return_entropy=True)
+        finally:
+            patching.linear_log_probs = original
+        assert out.logits is None and out.loss is None and rows[-1] == int((inputs["labels"][:, 1:] != -100).sum())
+        assert (getattr(out, "aux_loss", None) is not None) == (name in MOE_FAMILIES)
+        for got, ref in zip((out.log_probs, out.entropy), want):
+            assert got.dtype == torch.float32 and got.shape == (2, 9)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        sum(g * v for g, v in zip((g_lp, g_H), (out.log_probs, out.entropy))).sum().backward()
+        for (pname, p), ref in zip(model.named_parameters(), reference.parameters()):
+            if ref.grad is None:
+                assert p.grad is None, pname
+                continue
+            torch.testing.assert_close(p.grad, ref.grad, rtol=1e-4, atol=1e-5 * float(ref.grad.abs().max()), msg=pname)
+
+
+def test_log_prob_mode_needs_labels_and_its_options_need_it():
+    model = patch_causal_lm(make_model())
+    inputs = make_batch()
+    with pytest.raises(ValueError, match="return_log_probs=True needs labels"):
+        model(input_ids=inputs["input_ids"], return_log_probs=True)
+    with pytest.raises(ValueError, match="temperature apply with return_log_probs=True only"):
+        model(**inputs, temperature=0.5)
+    out = model(**inputs, return_log_probs=True)  # temperature 1, no entropy
+    assert out.entropy is None and out.log_probs.shape == (2, 9)

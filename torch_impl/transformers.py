@@ -28,6 +28,13 @@ from the hidden states and the head's weight and bias:
 - a mixture-of-experts model that returns ``aux_loss`` (``output_router_logits``) adds
   ``router_aux_loss_coef * aux_loss``, as the original does.
 
+For RL, ``model(input_ids, ..., labels=labels, return_log_probs=True, temperature=T,
+return_entropy=True)`` (train or eval mode) returns the original's output with ``loss=None``,
+``logits=None`` and, [B, T] fp32 each, ``log_probs`` (log p of each shifted label under
+softmax(logits / T)) and ``entropy`` (None unless asked), 0 where the label is -100; only
+the labelled positions (no prompt, no padding) reach the head, through
+`logitless.torch.linear_log_probs`; a mixture of experts keeps its ``aux_loss``.
+
 The output is the original's, with the loss and ``logits=None``. ``return_dict=False``
 returns the original's tuple layout (loss, logits, cache, ...) with None in the logits slot.
 In eval mode, or without labels, the original forward runs unchanged; with
@@ -66,6 +73,7 @@ import torch
 from torch import nn
 
 from torch_impl.functional import linear_cross_entropy
+from torch_impl.log_probs import linear_log_probs
 
 __all__ = ["patch_causal_lm", "unpatch_causal_lm"]
 
@@ -75,6 +83,7 @@ _VERIFIED = "_logitless_verified"  # attribute of a model whose logits' transfor
 # (attribute, multiplies the logits (True) or divides them (False)).
 _SCALES = (("logit_scale", True), ("logits_scaling", False))
 _SOFTCAP = "final_logit_softcapping"
+_LOG_PROB_OPTIONS = ("temperature", "return_entropy")  # keywords of the log-probability mode
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: each call finds and removes its own
@@ -252,6 +261,44 @@ def _causal_lm_loss(
                                 ignore_index=ignore_index, softcap=softcap, num_items_in_batch=num_items_in_batch)
 
 
+def _causal_lm_log_probs(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **_,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token (log p(next token), entropy or None) of softmax(softcap(scale *
+    lm_head(hidden_states)) / temperature), [B, T] fp32 each, 0 where the shifted target is
+    ignore_index; only the other positions (no prompt, no padding) reach the head.
+
+    Args as for `_causal_lm_loss`; temperature: T > 0 (the rollouts' sampling temperature);
+    return_entropy: also the entropy."""
+    if shift_labels is None:
+        shift_labels = _shift_targets(labels, ignore_index)
+    if tuple(shift_labels.shape) != tuple(hidden_states.shape[:-1]):
+        raise ValueError(f"labels must have the shape of the input's tokens {tuple(hidden_states.shape[:-1])}, got "
+                         f"{tuple(shift_labels.shape)}")
+    targets = shift_labels.reshape(-1).to(hidden_states.device)
+    rows = (targets != ignore_index).nonzero().squeeze(1)  # the positions computed
+    x = hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, rows)
+    bias = lm_head.bias
+    if scale != 1.0:
+        x = x * scale
+        bias = None if bias is None else bias * scale
+    log_probs, entropy = linear_log_probs(_tensor_parallel_input(x, lm_head), lm_head.weight, targets[rows],
+                                          linear_bias=bias, temperature=temperature, softcap=softcap,
+                                          ignore_index=ignore_index, return_entropy=True)
+    spread = lambda v: v.new_zeros(targets.shape).index_copy(0, rows, v).reshape(shift_labels.shape)
+    return spread(log_probs), (spread(entropy) if return_entropy else None)
+
+
 def _tensor_parallel_input(x: torch.Tensor, lm_head: nn.Linear):
     """x as a DTensor replicated on the head's mesh when tensor parallelism splits the head
     over its vocabulary (a Shard(0) DTensor weight, as ColwiseParallel and transformers'
@@ -340,10 +387,13 @@ def _positional_tuple(output) -> tuple:
                  if f.name == "logits" or getattr(output, f.name) is not None)
 
 
-def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keyword: str | None):
+def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keyword: str | None,
+                        log_probs: dict | None = None):
     """The original forward with ``labels=None`` and the head hooked (`_capture_hook`), then
     the fused loss (with the router loss of a mixture of experts): the original's output
-    with the loss and ``logits=None``."""
+    with the loss and ``logits=None``. With ``log_probs`` (the options of
+    `_causal_lm_log_probs`: temperature, return_entropy), the per-token ``log_probs`` and
+    ``entropy`` instead of the loss, which is None (the router loss stays in ``aux_loss``)."""
     arguments = bound.arguments
     # every argument by name (the loss reads num_items_in_batch, ignore_index, shift_labels)
     named = {**{k: v for k, v in list(arguments.items())[1:] if k != var_keyword}, **arguments.get(var_keyword, {})}
@@ -373,6 +423,13 @@ def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keywo
     if capture.check:
         _check_transforms(self, capture, output.logits, scale, softcap)
         setattr(self, _VERIFIED, True)
+    fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+    if log_probs is not None:
+        token_log_probs, entropy = _causal_lm_log_probs(capture.hidden, head, labels, scale=scale, softcap=softcap,
+                                                        **log_probs, **named)
+        output = type(output)(**{**fields, "loss": None, "logits": None})
+        output["log_probs"], output["entropy"] = token_log_probs, entropy
+        return output
     loss = _causal_lm_loss(capture.hidden, head, labels, scale=scale, softcap=softcap, **named)
     aux_loss = getattr(output, "aux_loss", None)
     if aux_loss is not None:
@@ -381,8 +438,7 @@ def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keywo
                              "does not know how the original adds it")
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
     # a new output of the original's class: a ModelOutput's keys are fixed when it is made
-    output = type(output)(**{**{f.name: getattr(output, f.name) for f in dataclasses.fields(output)},
-                             "loss": loss, "logits": None})
+    output = type(output)(**{**fields, "loss": loss, "logits": None})
     return output if (self.config.return_dict if return_dict is None else return_dict) else _positional_tuple(output)
 
 
@@ -394,6 +450,16 @@ def _patched(original, skip_logits_in_eval: bool):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
+        if kwargs.pop("return_log_probs", False):
+            log_probs = {k: kwargs.pop(k) for k in _LOG_PROB_OPTIONS if k in kwargs}
+            bound = signature.bind(self, *args, **kwargs)
+            if bound.arguments.get("labels") is None:
+                raise ValueError("return_log_probs=True needs labels: the tokens whose log-probabilities are asked "
+                                 "(-100 where none is: the prompt, the padding)")
+            return _fused_loss_forward(self, original, bound, var_keyword, log_probs)
+        unknown = [k for k in _LOG_PROB_OPTIONS if k in kwargs]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} apply with return_log_probs=True only")
         bound = signature.bind(self, *args, **kwargs)
         if (self.training or skip_logits_in_eval) and bound.arguments.get("labels") is not None:
             return _fused_loss_forward(self, original, bound, var_keyword)
