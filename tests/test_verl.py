@@ -59,16 +59,51 @@ def test_verl_signature_matches_reference(dtype, reduction):
     _check("plain", dtype, reduction)
 
 
-def test_verl_tensor_parallel_group_is_the_split_head():
-    """dist_process_group is linear_log_probs' vocab_parallel (a gloo group of one here;
-    tests/test_vocab_parallel.py runs the split head on several ranks)."""
+def _tensor_parallel_worker(rank: int, world: int, port: int) -> None:
+    """One gloo rank of `test_verl_tensor_parallel_group_is_the_split_head`."""
+    import os
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from torch_impl.verl import linear_cross_entropy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        _check("group", "float32", "none", dist.group.WORLD)
+        p = make_problem(seed_of("verl-tp"), vocab=54, ignore_frac=0.0)
+        rng = np.random.default_rng(5)
+        g_lp, g_H = rng.standard_normal(p.y.shape), rng.standard_normal(p.y.shape)
+        share = p.W.shape[0] // world
+        # Megatron's shapes: hidden [T, 1, H] (sequence first), labels [1, T]; the rank's classes
+        hidden = torch.tensor(p.x)[:, None, :].requires_grad_()
+        W = torch.tensor(p.W[rank * share:(rank + 1) * share]).requires_grad_()
+        logp, entropy = linear_cross_entropy(hidden, W, torch.tensor(p.y)[None, :], 0.7, "none", dist.group.WORLD)
+        assert logp.shape == entropy.shape == p.y.shape
+        (logp * torch.tensor(g_lp, dtype=torch.float32) + entropy * torch.tensor(g_H, dtype=torch.float32)).sum().backward()
+        dx = hidden.grad[:, 0].clone()
+        dist.all_reduce(dx)  # what Megatron's backward of its gather does with the ranks' shares
+        want = linear_log_probs_reference(p.x, p.W, p.y, temperature=0.7, grad_log_probs=g_lp, grad_entropy=g_H)
+        tol = tolerance("float32")
+        for key, got, ref in (("log_probs", logp, want.log_probs), ("entropy", entropy, want.entropy),
+                              ("grad_x", dx, want.grad_input),
+                              ("grad_W", W.grad, want.grad_weight[rank * share:(rank + 1) * share])):
+            assert rel_err(got.detach().double().numpy(), ref) <= tol, (rank, key)
     finally:
         dist.destroy_process_group()
+
+
+def test_verl_tensor_parallel_group_is_the_split_head():
+    """On 2 gloo ranks, each holding half the classes, with Megatron's shapes: the
+    log-probabilities and entropy of the whole head on every rank, each rank's slice of
+    grad_weight, and grad_input's shares summing to the whole (as verl's kernel)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_tensor_parallel_worker, args=(2, port), nprocs=2, join=True)
 
 
 def test_verl_arguments_are_checked():

@@ -5,8 +5,9 @@
 verl's kernel returns per-token log p(label) and the entropy at a temperature, for a head
 that Megatron may split over a tensor-parallel group (`dist_process_group`: the weight is the
 rank's equal slice of the classes, the labels global ids). Here that is `linear_log_probs`
-with `return_entropy`, the group its `vocab_parallel`: never the N x V logits, fp32
-gradients, and the split head's few floats per row instead of verl's per-rank logits tiles.
+with `return_entropy`, the group its `vocab_parallel`: never the N x V logits, grad_weight
+accumulated in fp32, and the split head's few floats per row instead of verl's per-rank
+logits tiles.
 """
 
 from __future__ import annotations
@@ -24,24 +25,31 @@ REDUCTIONS = ("none", "sum", "mean")
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                          reduction: str = "none", dist_process_group=None):
-    """(log_probs, entropy) as verl's kernel gives them.
+    """(log_probs, entropy) as verl's kernel gives them: [N] (flattened) each, fp32.
 
     Args:
-        hidden: [N, H] hidden states (bf16/fp16/fp32). weight: [V, H], or this rank's
-            [V / P, H] slice of the classes with dist_process_group.
-        labels: [N] int64 class ids (global ones with a split head); one outside [0, V)
+        hidden: [..., H] hidden states (bf16/fp16/fp32), flattened to [N, H] (verl's
+            Megatron forwards pass [T, 1, H]). weight: [V, H], or this rank's [V / P, H]
+            slice of the classes with dist_process_group.
+        labels: [...] int64 class ids, N of them, flattened (global ones with a split head); one outside [0, V)
             raises ValueError, except -100 (the library's ignore_index: log-probability 0,
             no gradient; verl passes the next token of every position, never -100).
         temperature: T > 0; the logits are divided by it.
         reduction: "none" ([N] log-probabilities), "sum" or "mean" (their sum or mean over
             the N tokens, 0-d); the entropy is [N] either way, as verl's.
         dist_process_group: a process group splitting the head over the vocabulary, or None.
+            As from verl's kernel, each rank's gradient of hidden is then its share, which
+            the caller sums over the group (Megatron's backward of its gather does).
 
     Returns:
         (log_probs, entropy), fp32, differentiable with respect to hidden and weight.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if dist_process_group is not None and hidden.requires_grad:
+        # linear_log_probs gives every rank the whole grad_input; the caller sums the ranks'
+        hidden = _Share.apply(hidden, torch.distributed.get_world_size(dist_process_group))
     log_probs, entropy = linear_log_probs(hidden, weight, labels, temperature=temperature, return_entropy=True,
                                           vocab_parallel=dist_process_group)
     if reduction == "sum":
@@ -49,6 +57,20 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     elif reduction == "mean":
         log_probs = log_probs.mean()
     return log_probs, entropy
+
+
+class _Share(torch.autograd.Function):
+    """The identity, whose backward pass divides the gradient by the ranks: one rank's share
+    of a gradient every rank holds whole, for a caller that sums the ranks' shares."""
+
+    @staticmethod
+    def forward(ctx, hidden, ranks: int):
+        ctx.ranks = ranks
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.ranks, None
 
 
 def patch_verl() -> None:
