@@ -37,6 +37,13 @@ def _load(folder: str, name: str):
         return json.load(f)
 
 
+def _dates(*runs) -> str:
+    """The dates of the runs given (a JSON document each, None for a file not there): "d",
+    or "d1 to d2"."""
+    days = sorted({(r["environment"]["date"] if isinstance(r, dict) else r[0]["date"])[:10] for r in runs if r})
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+
+
 def ranks_measured(folder: str) -> list[int]:
     """Every P > 1 of a `distributed_<P>gpu.json` in folder, ascending."""
     found = [int(m.group(1)) for f in os.listdir(folder) if (m := re.fullmatch(r"distributed_(\d+)gpu\.json", f))]
@@ -184,41 +191,61 @@ def _scaling_table(folder: str, ps: list[int]) -> str:
             cells += [_peak(_find(strong[p], shape, method)) for p in ps]
             rows.append(cells)
     env = one["environment"]
+    bases = ", ".join(f"{shape} {b['fwd_bwd_ms']:.1f} ms" for shape in dict.fromkeys(r["shape"] for r in one["results"])
+                      if (b := _find(one, shape, "one-gpu-speed")))
     text = (f"Split-head scaling, cross-entropy, on 1 to {ps[-1]} x {env['device']} (NCCL), {env['dtype']}, "
-            f"{env['date'][:10]} (`bench/results/distributed_*`): the tables below say what each column measures.\n\n")
+            f"{_dates(one, *strong.values(), *weak.values())} (`bench/results/distributed_*`): the split head's fwd+bwd "
+            f"on 1 GPU (a group of one) and on P, the speed-up over one GPU's call without a split (\"speed\": "
+            f"{bases}); P x the rows on P GPUs (efficiency: the 1-GPU time over it); each GPU's peak beyond its "
+            f"inputs, over its floor.\n\n")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     return text + "\n".join(lines) + "\n"
 
 
 def _table(folder: str, p: int, one: dict, split_head: bool) -> str:
     """The caption and table of every workload measured on P GPUs; split_head: with the
-    cross-entropy's split head (which the scaling table shows where there is one)."""
+    cross-entropy's split head and its weak runs (which the scaling table shows where there
+    is one)."""
     many = _load(folder, f"distributed_{p}gpu.json")
     env = many["environment"]
+    runs = [many]
     rows = _split_head_rows(one, many, _load(folder, f"distributed_{p}gpu_weak.json"), p) if split_head else []
     for loss in ("topk", "log_probs", "policy"):
         loss_one, loss_many = _load(folder, f"split_1gpu_{loss}.json"), _load(folder, f"split_{p}gpu_{loss}.json")
         if loss_one is not None and loss_many is not None:
             rows += _loss_rows(loss_one, loss_many, p, loss)
-    rows += _model_rows(_load(folder, f"fsdp_model_{p}gpu.json"), "FSDP2")
-    rows += _model_rows(_load(folder, f"fsdp_model_tp_{p}gpu.json"), "head split by tensor parallelism")
-    rows += _model_rows(_load(folder, f"fsdp_model_2d_{p}gpu.json"), "FSDP2 and a tensor-parallel head (2-D mesh)")
+            runs.append(loss_many)
+    for name, what in ((f"fsdp_model_{p}gpu.json", "FSDP2"), (f"fsdp_model_tp_{p}gpu.json", "head split by tensor parallelism"),
+                       (f"fsdp_model_2d_{p}gpu.json", "FSDP2 and a tensor-parallel head (2-D mesh)")):
+        runs.append(_load(folder, name))
+        rows += _model_rows(runs[-1], what)
     jax_one = _load(folder, "jax_mesh_1gpu.json")
-    rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_vocab.json"), f"head split over {p} GPUs")
-    rows += _jax_rows(jax_one, _load(folder, f"jax_mesh_{p}gpu_rows.json"), f"rows sharded over {p} GPUs")
-    rows += _jax_loss_rows(_load(folder, "jax_mesh_losses.json") or [], p)
-    text = (f"On {p} x {env['device']} (NCCL), {env['dtype']}, random data, {env['date'][:10]}; torch {env['torch']} "
-            f"(`bench/results/distributed_*`, `split_*`, `fsdp_model_*`, `jax_mesh_*`). Split head: fwd+bwd of the "
-            f"cross-entropy (or the loss named) with each GPU holding 1/{p} of the classes (`vocab_parallel`), on 1 GPU "
-            f"(a group of one) and on {p}; speed-up: one GPU's call without `vocab_parallel` (\"speed\"; for the other "
-            f"losses, of the same strategy) over this method's time on {p} GPUs; weak: {p}x the "
-            f"rows on {p} GPUs (efficiency: the 1-GPU time over it); peak: each GPU's memory beyond its inputs, over "
-            f"its floor (its slice of grad_weight and grad_input). `loss-parallel`: PyTorch's `loss_parallel` on "
-            f"materialised logits. Model: a training step (4 layers, D 2048, V 128256, bf16), each GPU its own rows "
+    for name, what in ((f"jax_mesh_{p}gpu_vocab.json", f"head split over {p} GPUs"),
+                       (f"jax_mesh_{p}gpu_rows.json", f"rows sharded over {p} GPUs")):
+        runs.append(_load(folder, name))
+        rows += _jax_rows(jax_one, runs[-1], what)
+    losses = _load(folder, "jax_mesh_losses.json") or []
+    loss_rows = _jax_loss_rows(losses, p)
+    rows += loss_rows
+    runs.append(losses if loss_rows else None)
+    split = (f"Split head: fwd+bwd of the cross-entropy (or the loss named) with each GPU holding 1/{p} of the "
+             f"classes (`vocab_parallel`), on 1 GPU (a group of one) and on {p}; speed-up: one GPU's call without "
+             f"`vocab_parallel` (\"speed\"; for the other losses, of the same strategy) over this method's time on {p} "
+             f"GPUs; ")
+    weak = f"weak: {p}x the rows on {p} GPUs (efficiency: the 1-GPU time over it); " if split_head else ""
+    loss_parallel = "`loss-parallel`: PyTorch's `loss_parallel` on materialised logits. " if split_head else ""
+    text = (f"On {p} x {env['device']} (NCCL), {env['dtype']}, random data, {_dates(*runs)}; torch {env['torch']} "
+            f"(`bench/results/distributed_*`, `split_*`, `fsdp_model_*`, `jax_mesh_*`). "
+            f"{'' if split_head else 'Cross-entropy: the scaling table above. '}{split}{weak}peak: each GPU's memory "
+            f"beyond its inputs, over its floor (its slice of grad_weight and grad_input). "
+            f"{loss_parallel}"
+            f"Model: a training step (4 layers, D 2048, V 128256, bf16), each GPU its own rows "
             f"(FSDP2), the same rows (tensor-parallel head), or both on a (dp, tp) mesh. JAX: `jax.jit` of the "
             f"unchanged call on sharded arrays; naive: XLA on materialised logits.\n\n")
     head = ["workload", "method", "1 GPU: ms", f"{p} GPUs: ms", "speed-up over 1 GPU", f"{p} GPUs, {p}x rows: ms (weak)",
             f"{p} GPUs: peak GiB per GPU"]
+    if not split_head:  # the weak runs are the split head's only
+        head, rows = head[:5] + head[6:], [r[:5] + r[6:] for r in rows]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     return text + "\n".join(lines) + "\n"
 

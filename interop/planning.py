@@ -2,7 +2,7 @@
 
 `plan` turns a call's facts (which loss, which framework, its strategy, N, D, V, the input's
 bytes per value) into a `Plan`; `torch_impl.head.plan` and the JAX configurations
-(`jax_impl.blocked.plan`, `jax_impl.distill_rules.plan_rows`) only translate it. The block
+(`jax_impl.blocked.plan`, `jax_impl.distill_rules.plan_steps`) only translate it. The block
 shapes are interop.blocking's rules, their numbers the call's `Tuning`.
 
 | strategy | cross-entropy (its fused kernels) | the other losses (block steps) |

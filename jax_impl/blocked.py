@@ -73,7 +73,9 @@ def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dty
     """The call's configuration: `interop.planning.plan`'s blocks ("memory": whole rows where
     PyTorch's take them, else tiles sized for XLA's temporaries, or for `row_products`'
     kernels on small heads; its forward pass without gradients from `fused_stats`);
-    whole_vocab: a split head's classes (vocab: the device's)."""
+    whole_vocab: a split head's classes (vocab: the device's; "memory" then takes one
+    device's block for the whole head, whole rows included, which PyTorch's split never
+    takes)."""
     p = planning.plan(t, "jax", "cross_entropy", strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
                       accumulate_in_input_dtype, return_lse=return_lse, whole_vocab=whole_vocab)
     return BlockedConfig(options, weight_layout, strategy, p.layout, p.rows, p.cols, p.narrow_accumulator, return_lse,

@@ -63,7 +63,7 @@ def test_a_split_head_keeps_one_devices_memory_block(shape):
     other strategies plan the device's classes as they are."""
     n, d, v = SHAPES[shape]
     t = SMALL if shape == "odd" else DEFAULT
-    for (framework, loss, strategy), P in itertools.product(CASES, (2, 4)):
+    for (framework, loss, strategy), P in itertools.product(CASES, (2, 4, 32)):  # 32: tiles wider than a device's classes
         local = -(-v // P)
         one = planning.plan(t, framework, loss, strategy, n, d, v, 2, False, whole_vocab=v)
         split = planning.plan(t, framework, loss, strategy, n, d, local, 2, False, whole_vocab=v)
@@ -74,3 +74,17 @@ def test_a_split_head_keeps_one_devices_memory_block(shape):
         assert split.layout == one.layout and split.rows >= one.rows and split.scratch == 0, what
         assert split.rows * split.cols <= one.rows * one.cols, what
         assert split.cols == (min(one.cols, local) if one.layout == "tiles" else local), what
+
+
+def test_a_split_head_at_l_takes_one_devices_rows_and_tiles():
+    """At L on 2 devices: JAX's whole rows of 64128 classes, twice one device's 250 rows
+    (without the whole head's budget: 128); PyTorch's tiles of one device (2816 x 8320); at
+    32 devices PyTorch's tiles are cut to a device's 4008 classes."""
+    n, d, v = SHAPES["L"]
+    jax = planning.plan(DEFAULT, "jax", "cross_entropy", "memory", n, d, v // 2, 2, False, whole_vocab=v)
+    assert (jax.layout, jax.rows, jax.cols) == ("rows", 500, 64128)
+    assert planning.plan(DEFAULT, "jax", "cross_entropy", "memory", n, d, v // 2, 2, False).rows == 128
+    torch_plan = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", n, d, v // 2, 2, False, whole_vocab=v)
+    assert (torch_plan.layout, torch_plan.rows, torch_plan.cols, torch_plan.scratch) == ("tiles", 2816, 8320, 0)
+    narrow = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", n, d, -(-v // 32), 2, False, whole_vocab=v)
+    assert (narrow.rows, narrow.cols) == (2816, 4008)

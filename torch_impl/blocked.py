@@ -12,7 +12,7 @@ Two strategies (`torch_impl.head.plan`, from interop.planning):
   (`WeightGrad`); with one row block it is one product written in the input dtype.
 - "memory": blocks of [R, C] sized so that the logits block and the fp32 grad_input
   accumulator of one row block together stay under a few percent of the gradients'
-  bytes. The backward pass recomputes the logits (8 N D V flops). grad_weight is
+  bytes (on a split head, of the whole head's: interop.planning). The backward pass recomputes the logits (8 N D V flops). grad_weight is
   accumulated in fp32 inside each row block (one matrix product over R rows) and in the
   input dtype across row blocks. Where enough whole rows fit in its budget
   (interop.blocking.whole_row_memory_scratch), "memory" takes blocks of whole rows as
@@ -26,7 +26,8 @@ With a `VocabSplit` (a head split over the vocabulary, `torch_impl.vocab_paralle
 computes the blocks of its own classes, and each row block's statistics are combined over
 the ranks before its losses (and in blocks of whole rows its dz: "speed" still forms the
 gradients in the forward pass), a few floats per row; the ranks plan the same row blocks
-(for the largest rank's classes), so they make the same collectives. grad_input
+(for the largest rank's classes; "memory" one device's block for the whole head, its
+columns cut to those classes), so they make the same collectives. grad_input
 is summed over the ranks in fp32 (`VocabSplit.sum_grad_input`), so it is not kept in the
 logits' buffer ("memory" takes tiles), and no gradient is filtered.
 """
