@@ -16,7 +16,7 @@ import dataclasses
 from interop.options import nonnegative
 
 # The per-token arguments, in the order `token_terms` takes them.
-TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight")
+TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight", "policy_weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,18 +28,31 @@ class PolicyLossOptions:
         1 + epsilon_high] (PPO's epsilon both; DAPO's "clip higher" raises epsilon_high).
     beta: weight of the k3 estimate of the KL divergence to a reference policy (GRPO); 0: none.
     entropy_coef: weight of the entropy bonus (subtracted from the loss); 0: none.
+    clip_ratio_c: dual-clip (verl's clip_ratio_c): a token of negative advantage loses at
+        most -clip_ratio_c A; None: no bound. Greater than 1.
+    kl_bias_correction: the KL term multiplied by the ratio r (TRL's use_bias_correction_kl:
+        an unbiased estimate off-policy), its gradient through r included.
     """
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     beta: float = 0.0
     entropy_coef: float = 0.0
+    clip_ratio_c: float | None = None
+    kl_bias_correction: bool = False
 
     def __post_init__(self):
         for name in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
             object.__setattr__(self, name, nonnegative(name, getattr(self, name)))
         if self.epsilon_low >= 1.0:
             raise ValueError(f"epsilon_low must be < 1 (the ratio's lower clip 1 - epsilon_low > 0), got {self.epsilon_low}")
+        if self.clip_ratio_c is not None:
+            c = nonnegative("clip_ratio_c", self.clip_ratio_c)
+            if c <= 1.0:
+                raise ValueError(f"clip_ratio_c must be > 1 (a bound above the clipped ratio), got {self.clip_ratio_c!r}")
+            object.__setattr__(self, "clip_ratio_c", c)
+        if not isinstance(self.kl_bias_correction, bool):
+            raise ValueError(f"kl_bias_correction must be a bool, got {self.kl_bias_correction!r}")
 
     def check_references(self, ref_log_probs) -> None:
         """ValueError where the KL term has no reference policy."""
@@ -55,17 +68,19 @@ def mean_weight(xp, valid, like):
 
 
 def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages, old_log_probs, ref_log_probs,
-                token_weight):
+                token_weight, policy_weight=None):
     """(loss, d loss / d log_probs, d loss / d entropy) per token, [N] each, in xp's arrays.
 
-    With r = exp(logp - old) (1 where old_log_probs is None: on-policy) and A the advantage:
+    With r = exp(logp - old) (1 where old_log_probs is None: on-policy), A the advantage and
+    k = exp(ref - logp) - (ref - logp) - 1 (the k3 estimate of the KL):
 
-        loss = w (-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
-                  + beta (exp(ref - logp) - (ref - logp) - 1) - entropy_coef H)
+        loss = w (v P + beta K - entropy_coef H),   P = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
 
-    and 0 where `valid` is False (ignored tokens). The clipped branch has no gradient; where
-    the two branches are equal (r inside the clip range) the gradient is the unclipped one's.
-    The entropy's gradient is None when entropy_coef is 0."""
+    with P at most -clip_ratio_c A where A < 0 (dual-clip, when set), v the policy term's
+    weight (policy_weight: importance-sampling ratios, masks; None: 1), K = r k with
+    kl_bias_correction, else k; 0 where `valid` is False (ignored tokens). A clipped or
+    bounded branch has no gradient; where two branches are equal the gradient is the
+    unclipped one's. The entropy's gradient is None when entropy_coef is 0."""
     zero = 0.0 * log_probs
     r = zero + 1.0 if old_log_probs is None else xp.exp(log_probs - old_log_probs)
     clipped = xp.clip(r, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high)
@@ -74,10 +89,19 @@ def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages,
     # the unclipped branch unless the clipped one is the smaller: a NaN ratio or advantage
     # takes it, so its gradient is NaN too, as the loss is
     g = xp.where(unclipped_obj > clipped_obj, zero, -unclipped_obj)
+    if o.clip_ratio_c is not None:
+        bound = -o.clip_ratio_c * advantages
+        bounded = (advantages < 0) & (loss > bound)
+        loss, g = xp.where(bounded, bound, loss), xp.where(bounded, zero, g)
+    if policy_weight is not None:
+        loss, g = policy_weight * loss, policy_weight * g
     if o.beta:
         d = ref_log_probs - log_probs
-        loss = loss + o.beta * (xp.exp(d) - d - 1.0)
-        g = g + o.beta * (1.0 - xp.exp(d))
+        kl, g_kl = xp.exp(d) - d - 1.0, 1.0 - xp.exp(d)
+        if o.kl_bias_correction:  # d(r k) / d logp = r k + r dk / d logp
+            kl, g_kl = r * kl, r * (kl + g_kl)
+        loss = loss + o.beta * kl
+        g = g + o.beta * g_kl
     if o.entropy_coef:
         loss = loss - o.entropy_coef * entropy
     w = xp.where(valid, token_weight, zero)

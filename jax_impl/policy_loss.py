@@ -110,15 +110,16 @@ def _per_token(name: str, value, shape, wide):
 
 
 def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_probs=None, ref_log_probs=None,
-                       token_weight=None, epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
-                       entropy_coef: float = 0.0, linear_bias=None, temperature: float = 1.0,
+                       token_weight=None, policy_weight=None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                       beta: float = 0.0, entropy_coef: float = 0.0, clip_ratio_c: float | None = None,
+                       kl_bias_correction: bool = False, linear_bias=None, temperature: float = 1.0,
                        softcap: float | None = None, ignore_index: int | None = -100, weight_layout: str = "VD",
                        strategy: str = "auto", accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None,
                        vocab_parallel: str | None = None):
     """The clipped policy-gradient loss (PPO, GRPO): the arguments and formula of
     `logitless.torch.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
-    "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs and token_weight
-    broadcast to the target's shape; the default token_weight averages the call's tokens:
+    "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs, token_weight and
+    policy_weight broadcast to the target's shape; the default token_weight averages the call's tokens:
     inside shard_map, each shard's). Differentiable in input, linear_weight and linear_bias
     (`jax.custom_vjp`; the per-token arrays get zero cotangents); usable under `jax.jit`,
     where a target out of [0, V) that is not ignore_index gives a NaN loss instead of the
@@ -129,14 +130,14 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
         the loss, 0-d, fp32 (fp64 for fp64 input).
     """
     head = LogProbsOptions(temperature, softcap, ignore_index)
-    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
+    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction)
     o.check_references(ref_log_probs)
     input, linear_weight, target, linear_bias, shape, tuning = checked_call(input, linear_weight, target, linear_bias,
                                                                             head, weight_layout, strategy, tuning,
                                                                             vocab_parallel)
     n, wide = shape.n_rows, compute_dtype(input.dtype)
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                 token_weight=token_weight)
+                 token_weight=token_weight, policy_weight=policy_weight)
     tokens = {k: _per_token(k, given[k], target.shape, wide) for k in TOKEN_ARGUMENTS if given[k] is not None}
     y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, head.ignore_index)
     if "token_weight" not in tokens:

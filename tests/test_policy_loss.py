@@ -22,6 +22,9 @@ CASES = {
     "entropy-T-bias-softcap": (dict(entropy_coef=0.01, temperature=0.7, softcap=4.0, epsilon_low=0.1),
                                dict(bias=True, logit_scale=3.0, lead=(2, 7)), ("old",)),
     "weights-ignore": (dict(beta=0.1, ignore_index=3), dict(ignore_index=3), ("old", "ref", "weight")),
+    # verl's dual-clip, TRL's bias-corrected KL and importance-sampling weights (0: a mask)
+    "dual-clip-corrected-kl-is": (dict(beta=0.04, clip_ratio_c=1.5, kl_bias_correction=True), dict(lead=(4, 7)),
+                                  ("old", "ref", "policy")),
 }
 STRATEGIES = ["speed", "memory", "chunked"]
 # The runs differentiate SCALE times the loss (as a loss divided for gradient accumulation,
@@ -39,6 +42,8 @@ def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53, lead=No
     rng = np.random.default_rng(seed + 1)
     shape = p.y.shape
     tokens = {"advantages": rng.standard_normal(shape[:-1] + (1,))}  # one per sequence, broadcast
+    if "clip_ratio_c" in options:  # the dual-clip bounds negative advantages (all of them: a sum without cancellation)
+        tokens["advantages"] = -np.abs(tokens["advantages"])
     # old log-probabilities within a ratio of 0.5 to 2 of the policy's: both clips are hit
     logp = ref_logp(p, options)
     if "old" in which:
@@ -47,6 +52,8 @@ def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53, lead=No
         tokens["ref_log_probs"] = logp + rng.uniform(-0.5, 0.5, shape)
     if "weight" in which:
         tokens["token_weight"] = rng.uniform(0.0, 1.0, shape) / shape[-1]
+    if "policy" in which:
+        tokens["policy_weight"] = rng.uniform(0.5, 1.5, shape) * (rng.random(shape) > 0.2)
     return p, options, tokens
 
 
@@ -146,9 +153,13 @@ def test_reference_matches_float64_autograd(case):
     adv = tok["advantages"].expand(ratio.shape)
     eps_low, eps_high = options.get("epsilon_low", 0.2), options.get("epsilon_high", 0.2)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    if options.get("clip_ratio_c"):  # verl's dual-clip
+        per_token = torch.where(adv < 0, torch.minimum(-adv * options["clip_ratio_c"], per_token), per_token)
+    per_token = per_token * tok.get("policy_weight", 1.0)
     if options.get("beta"):
         d = tok["ref_log_probs"] - logp
-        per_token = per_token + options["beta"] * (torch.exp(d) - d - 1)
+        kl = torch.exp(d) - d - 1
+        per_token = per_token + options["beta"] * (kl * ratio if options.get("kl_bias_correction") else kl)
     per_token = per_token - options.get("entropy_coef", 0.0) * entropy
     w = tok.get("token_weight", torch.full(ratio.shape, 1.0 / max(int(valid.sum()), 1), dtype=torch.float64))
     loss = torch.where(valid, w * per_token, 0.0).sum()
@@ -159,6 +170,9 @@ def test_reference_matches_float64_autograd(case):
     if "old_log_probs" in tokens:
         r = np.exp(ref_logp(p, options) - tokens["old_log_probs"])[p.y != options.get("ignore_index", -100)]
         assert (r < 1 - eps_low).any() and (r > 1 + eps_high).any()
+        if options.get("clip_ratio_c"):  # some tokens of negative advantage meet the dual-clip's bound
+            adv = np.broadcast_to(tokens["advantages"], p.y.shape)[p.y != options.get("ignore_index", -100)]
+            assert ((r > options["clip_ratio_c"]) & (adv < 0)).any()
 
 
 @pytest.mark.parametrize("framework, strategy", RUNS)
@@ -351,7 +365,8 @@ def test_nan_in_the_head_is_a_nan_loss(framework):
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_errors_name_the_argument(framework):
     """beta > 0 without ref_log_probs, a per-token tensor of another shape, integer
-    advantages, a clip range that is not one: ValueError naming what is wrong."""
+    advantages, a clip range that is not one, a dual-clip bound not above 1: ValueError
+    naming what is wrong."""
     import jax.numpy as jnp
 
     import jax_impl
@@ -374,6 +389,12 @@ def test_errors_name_the_argument(framework):
         fn(x, W, y, adv, epsilon_low=1.0)
     with pytest.raises(ValueError, match="beta"):
         fn(x, W, y, adv, beta=-1.0)
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        fn(x, W, y, adv, clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="kl_bias_correction must be a bool"):
+        fn(x, W, y, adv, kl_bias_correction="yes")
+    with pytest.raises(ValueError, match="policy_weight of shape"):
+        fn(x, W, y, adv, policy_weight=arr(np.ones(p.y.shape[0] + 1, np.float32)))
 
 
 def test_torch_device_mix_is_named():

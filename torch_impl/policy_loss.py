@@ -113,10 +113,13 @@ def linear_policy_loss(
     old_log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
     token_weight: torch.Tensor | None = None,
+    policy_weight: torch.Tensor | None = None,
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     beta: float = 0.0,
     entropy_coef: float = 0.0,
+    clip_ratio_c: float | None = None,
+    kl_bias_correction: bool = False,
     linear_bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     softcap: float | None = None,
@@ -133,11 +136,11 @@ def linear_policy_loss(
 
     Per token, with logp its log-probability, H the entropy, r = exp(logp - old_log_probs):
 
-        w (-min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A)
-           + beta (exp(ref - logp) - (ref - logp) - 1) - entropy_coef H)
+        w (v P + beta K - entropy_coef H),   P = -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A),
+        K = exp(ref - logp) - (ref - logp) - 1 (times r with kl_bias_correction),
 
-    summed over the tokens whose target is not ignore_index (TRL's GRPOTrainer and verl
-    compute these terms).
+    P at most -clip_ratio_c A where A < 0 (dual-clip, when set), summed over the tokens
+    whose target is not ignore_index (TRL's GRPOTrainer and verl compute these terms).
 
     Args:
         input: [..., D] hidden states (bf16/fp16/fp32/fp64); linear_weight: [V, D] ("VD") or
@@ -153,8 +156,13 @@ def linear_policy_loss(
             the call's tokens (DAPO, TRL's "bnpo"). Rows split over ranks or devices
             (data parallel, shard_map) average their own tokens: for a mean over the global
             batch pass 1 / its token count (as num_items_in_batch does for cross-entropy).
+        policy_weight: v (target's shape), a factor of the policy term only: TRL's
+            importance-sampling correction of vLLM's rollouts, an entropy or off-policy
+            mask (their product); None: 1.
         epsilon_low, epsilon_high, beta, entropy_coef: as in the formula (each >= 0,
             epsilon_low < 1).
+        clip_ratio_c: dual-clip's bound (verl's clip_ratio_c, > 1); None: none.
+        kl_bias_correction: the KL term times r (TRL's use_bias_correction_kl).
         linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
         accumulate_in_input_dtype, tuning, vocab_parallel, sequence_parallel: as for
         linear_log_probs (the per-token tensors hold the whole rows); "speed"
@@ -172,7 +180,8 @@ def linear_policy_loss(
     With vocab_parallel it runs as one eager step (a graph break).
     """
     kwargs = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, token_weight=token_weight,
-                  epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, entropy_coef=entropy_coef,
+                  policy_weight=policy_weight, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+                  entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c, kl_bias_correction=kl_bias_correction,
                   linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
                   tuning=tuning)
@@ -198,15 +207,15 @@ def _with_gradients(total, pairs):
     return total
 
 
-def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, epsilon_low,
-              epsilon_high, beta, entropy_coef, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, policy_weight,
+              epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
               accumulate_in_input_dtype, tuning):
     """The call inside torch.compile: `log_probs.compiled`'s op (which checks the head's arguments when
     traced), then `token_terms`."""
-    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
+    o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction)
     o.check_references(ref_log_probs)
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                 token_weight=token_weight)
+                 token_weight=token_weight, policy_weight=policy_weight)
     input, linear_weight, linear_bias = custom_ops.compiled_call(
         input, dict(linear_weight=linear_weight, target=target), _tensor_arguments(linear_bias, given), "none", None, linear_weight, linear_bias)
     ignore_index = LogProbsOptions(temperature, softcap, ignore_index).ignore_index
@@ -224,14 +233,14 @@ def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_lo
 
 
 @torch.compiler.disable
-def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, epsilon_low,
-           epsilon_high, beta, entropy_coef, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, policy_weight,
+           epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
            accumulate_in_input_dtype, tuning, vocab_parallel, sequence_parallel):
     """The eager call (and a split head's step in compiled code)."""
     ((input, linear_weight, linear_bias),), vocab_parallel, rows_dim = split_operands(
         vocab_parallel, sequence_parallel, weight_layout, (input, linear_weight, linear_bias))
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                 token_weight=token_weight)
+                 token_weight=token_weight, policy_weight=policy_weight)
     check_tensors(input, dict(linear_weight=linear_weight, target=target), _tensor_arguments(linear_bias, given))
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
@@ -243,7 +252,7 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
         ValueError where any is wrong (with a split, every rank learns of it)."""
         check_strategy(strategy)
         head = LogProbsOptions(temperature, softcap, ignore_index)
-        o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef)
+        o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction)
         o.check_references(ref_log_probs)
         shape = check_inputs(
             input_shape=tuple(whole_input(input, rows_dim, vocab_parallel).shape), input_dtype=dtype_of(input),
@@ -256,7 +265,8 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
     split = None
     if vocab_parallel is not None:
         # what decides the ranks' blocks and collectives, the same on every rank or an error on all
-        fingerprint = call_fingerprint(epsilon_low, epsilon_high, beta, entropy_coef, temperature, softcap, ignore_index,
+        fingerprint = call_fingerprint(epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction,
+                                       temperature, softcap, ignore_index,
                                        weight_layout, strategy, accumulate_in_input_dtype, tuning, input.dtype,
                                        linear_bias is None, torch.is_grad_enabled(),
                                        *(t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)),
