@@ -218,7 +218,7 @@ def _tensor_parallel_worker(rank: int, world: int, port: int) -> None:
         # patched after and before the split (the head's hooks then meet a DTensor input, or a
         # plain one); Phi has a head bias, split with the head
         for name, patch_first in (("LlamaForCausalLM", False), ("PhiForCausalLM", True)):
-            steps = []
+            steps, models = [], []
             for patch in (False, True):
                 model = make_model(name)
                 if patch and patch_first:
@@ -229,9 +229,14 @@ def _tensor_parallel_worker(rank: int, world: int, port: int) -> None:
                     patch_causal_lm(model)
                 out, grads = train_step(model, **make_batch())
                 steps.append((out, {k: None if g is None else getattr(g, "full_tensor", lambda: g)() for k, g in grads.items()}))
+                models.append(model)
             assert_same_step(*steps)
-        assert calls == ["split", "split"], calls
-        model = steps = out = grads = None
+            # the log-probability mode on the split head: the unpatched split model's logits' values
+            got = models[1](**make_batch(), return_log_probs=True, temperature=0.7, return_entropy=True)
+            for value, want in zip((got.log_probs, got.entropy), _reference_log_probs(models[0], 0.7, **make_batch())):
+                torch.testing.assert_close(value, want.detach(), rtol=1e-5, atol=1e-5)
+        assert calls == ["split", "split", "split", "split"], calls
+        model = models = steps = out = grads = got = None
     finally:
         dist.destroy_process_group()
     leave()
@@ -708,4 +713,4 @@ def test_log_prob_mode_needs_labels_and_its_options_need_it():
     with pytest.raises(ValueError, match="temperature apply with return_log_probs=True only"):
         model(**inputs, temperature=0.5)
     out = model(**inputs, return_log_probs=True)  # temperature 1, no entropy
-    assert out.entropy is None and out.log_probs.shape == (2, 9)
+    assert "entropy" not in out and out.log_probs.shape == (2, 9)

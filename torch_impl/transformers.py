@@ -29,11 +29,14 @@ from the hidden states and the head's weight and bias:
   ``router_aux_loss_coef * aux_loss``, as the original does.
 
 For RL, ``model(input_ids, ..., labels=labels, return_log_probs=True, temperature=T,
-return_entropy=True)`` (train or eval mode) returns the original's output with ``loss=None``,
-``logits=None`` and, [B, T] fp32 each, ``log_probs`` (log p of each shifted label under
-softmax(logits / T)) and ``entropy`` (None unless asked), 0 where the label is -100; only
-the labelled positions (no prompt, no padding) reach the head, through
-`logitless.torch.linear_log_probs`; a mixture of experts keeps its ``aux_loss``.
+return_entropy=True)`` (train or eval mode) returns the original's output, always a
+ModelOutput, with ``loss=None``, ``logits=None`` and, [B, T] each (fp32, fp64 for an fp64
+model), ``log_probs`` (position t: log p(labels[t + 1]) under softmax(logits / T), as the
+loss shifts them; ``shift_labels`` as given) and, when asked, ``entropy``: 0 where the
+shifted label is ``ignore_index`` and at the last position. Only the labelled positions (no
+prompt, no padding) reach the head, through `logitless.torch.linear_log_probs` (selecting
+them is a graph break under torch.compile); a mixture of experts keeps its ``aux_loss``.
+``temperature`` and ``return_entropy`` without ``return_log_probs=True`` raise ValueError.
 
 The output is the original's, with the loss and ``logits=None``. ``return_dict=False``
 returns the original's tuple layout (loss, logits, cache, ...) with None in the logits slot.
@@ -279,12 +282,16 @@ def _causal_lm_log_probs(
     ignore_index; only the other positions (no prompt, no padding) reach the head.
 
     Args as for `_causal_lm_loss`; temperature: T > 0 (the rollouts' sampling temperature);
-    return_entropy: also the entropy."""
+    return_entropy: also the entropy. Selecting the labelled positions waits for the device
+    (`nonzero`): under torch.compile a graph break."""
+    name = "labels" if shift_labels is None else "shift_labels"
     if shift_labels is None:
         shift_labels = _shift_targets(labels, ignore_index)
     if tuple(shift_labels.shape) != tuple(hidden_states.shape[:-1]):
-        raise ValueError(f"labels must have the shape of the input's tokens {tuple(hidden_states.shape[:-1])}, got "
+        raise ValueError(f"{name} must have the shape of the input's tokens {tuple(hidden_states.shape[:-1])}, got "
                          f"{tuple(shift_labels.shape)}")
+    if hasattr(hidden_states, "to_local"):  # a DTensor replicated by a tensor-parallel head's input hook
+        hidden_states = hidden_states.full_tensor()
     targets = shift_labels.reshape(-1).to(hidden_states.device)
     rows = (targets != ignore_index).nonzero().squeeze(1)  # the positions computed
     x = hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, rows)
@@ -428,7 +435,9 @@ def _fused_loss_forward(self, original, bound: inspect.BoundArguments, var_keywo
         token_log_probs, entropy = _causal_lm_log_probs(capture.hidden, head, labels, scale=scale, softcap=softcap,
                                                         **log_probs, **named)
         output = type(output)(**{**fields, "loss": None, "logits": None})
-        output["log_probs"], output["entropy"] = token_log_probs, entropy
+        output["log_probs"] = token_log_probs
+        if entropy is not None:
+            output["entropy"] = entropy
         return output
     loss = _causal_lm_loss(capture.hidden, head, labels, scale=scale, softcap=softcap, **named)
     aux_loss = getattr(output, "aux_loss", None)
