@@ -156,9 +156,10 @@ def linear_policy_loss(
             the call's tokens (DAPO, TRL's "bnpo"). Rows split over ranks or devices
             (data parallel, shard_map) average their own tokens: for a mean over the global
             batch pass 1 / its token count (as num_items_in_batch does for cross-entropy).
-        policy_weight: v (target's shape), a factor of the policy term only: TRL's
-            importance-sampling correction of vLLM's rollouts, an entropy or off-policy
-            mask (their product); None: 1.
+        policy_weight: v (target's shape, floating), a factor of the policy term only:
+            TRL's importance-sampling correction of vLLM's rollouts, an entropy or
+            off-policy mask as 0.0 / 1.0 (their product); None: 1. Unlike verl, the log
+            ratio is not clamped to [-20, 20].
         epsilon_low, epsilon_high, beta, entropy_coef: as in the formula (each >= 0,
             epsilon_low < 1).
         clip_ratio_c: dual-clip's bound (verl's clip_ratio_c, > 1); None: none.

@@ -39,7 +39,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             the N tokens, 0-d); the entropy is [N] either way, as verl's.
         dist_process_group: a process group splitting the head over the vocabulary, or None.
             As from verl's kernel, each rank's gradient of hidden is then its share, which
-            the caller sums over the group (Megatron's backward of its gather does).
+            the caller sums over the group: the backward of Megatron's sequence-parallel
+            gather does (verl's default with tensor parallelism); without sequence
+            parallelism nothing sums them, with verl's kernel as with this one.
 
     Returns:
         (log_probs, entropy), fp32, differentiable with respect to hidden and weight.
