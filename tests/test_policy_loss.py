@@ -431,3 +431,35 @@ def test_on_the_gpu(framework, strategy):
             check(got, _reference(p, options, tokens), dtype, p.logit_scale, f"{framework}, {strategy}, {case}, {dtype}")
     p, options, tokens = _problem("weights-ignore", "float32", "DV")
     check(run(framework, strategy, p, options, tokens, "cuda"), _reference(p, options, tokens), "float32", 1.0, "DV")
+
+
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_token_terms_match_autograd_of_the_trainers_formulas(on_policy):
+    """interop.policy_loss.token_terms, float64, advantages of both signs, on- and
+    off-policy: the loss and its derivative in logp equal autograd of verl's dual-clip and
+    TRL's bias-corrected KL with an importance-sampling weight on the policy term (the
+    ratio differentiated, on-policy r = exp(logp - logp.detach()))."""
+    from interop.policy_loss import PolicyLossOptions, token_terms
+
+    rng = np.random.default_rng(9)
+    n = 64
+    logp = torch.tensor(rng.uniform(-4, -0.1, n), requires_grad=True)
+    old = None if on_policy else torch.tensor(logp.detach().numpy() + rng.uniform(-0.9, 0.9, n))
+    ref = torch.tensor(logp.detach().numpy() + rng.uniform(-0.5, 0.5, n))
+    adv, v = torch.tensor(rng.standard_normal(n)), torch.tensor(rng.uniform(0, 2, n) * (rng.random(n) > 0.2))
+    w, valid = torch.full((n,), 1.0 / n, dtype=torch.float64), torch.ones(n, dtype=torch.bool)
+    for c, corrected in [(None, True), (1.5, True), (3.0, False)]:
+        o = PolicyLossOptions(epsilon_low=0.2, epsilon_high=0.28, beta=0.04, clip_ratio_c=c, kl_bias_correction=corrected)
+        r = torch.exp(logp - (logp.detach() if old is None else old))
+        pg = torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.28))
+        if c is not None:
+            pg = torch.where(adv < 0, torch.minimum(-adv * c, pg), pg)
+        d = ref - logp
+        kl = torch.exp(d) - d - 1
+        want = (w * (v * pg + 0.04 * (r * kl if corrected else kl))).sum()
+        (grad,) = torch.autograd.grad(want, logp)
+        loss, g, _ = token_terms(torch, o, logp.detach(), None, valid, adv, old, ref, w, v)
+        torch.testing.assert_close(loss.sum(), want.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(g, grad, rtol=1e-10, atol=1e-15)
+        if c == 1.5 and not on_policy:
+            assert ((adv < 0) & (-adv * r.detach() > -adv * c)).any()  # the dual-clip's bound is met
