@@ -7,7 +7,16 @@ from __future__ import annotations
 import os
 
 from bench import store
-from bench.report import by_shape, FRAMEWORKS
+from bench.measure import PRESETS
+
+FRAMEWORKS = {"torch": "PyTorch", "jax": "JAX"}
+
+
+def by_shape(results: list[dict]) -> dict[str, list[dict]]:
+    """{shape: rows}, the presets in the order L, G, S, then other shapes as they ran."""
+    order = list(PRESETS)
+    shapes = sorted(dict.fromkeys(r["shape"] for r in results), key=lambda s: order.index(s) if s in order else len(order))
+    return {s: [r for r in results if r["shape"] == s] for s in shapes}
 
 
 def _pyplot():

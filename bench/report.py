@@ -25,9 +25,8 @@ import sys
 from bench import store
 from bench.capabilities import SECTION as CAPABILITIES, capabilities_section
 from bench.distributed_report import SECTION as DISTRIBUTED, distributed_section
-from bench.measure import PRESETS
+from bench.plots import FRAMEWORKS, by_shape, write_summary_plot
 
-FRAMEWORKS = {"torch": "PyTorch", "jax": "JAX"}
 VERSIONS = {"torch": ("torch", "triton", "liger-kernel", "cut-cross-entropy"), "jax": ("jax", "jax-cce")}
 COMPILED = "compiled_model"  # the section, and its JSON's name in the results folder
 RL = "log_probs"  # the RL outputs' section (bench.log_probs), and its JSONs' loss name
@@ -63,13 +62,6 @@ def markdown_table(results: list[dict]) -> str:
             f"{_err(r, 'loss_err')} | {_err(r, 'grad_x_err')} | {_err(r, 'grad_W_err')} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def by_shape(results: list[dict]) -> dict[str, list[dict]]:
-    """{shape: rows}, the presets in the order L, G, S, then other shapes as they ran."""
-    order = list(PRESETS)
-    shapes = sorted(dict.fromkeys(r["shape"] for r in results), key=lambda s: order.index(s) if s in order else len(order))
-    return {s: [r for r in results if r["shape"] == s] for s in shapes}
 
 
 def summary_table(results: list[dict]) -> str:
@@ -249,10 +241,8 @@ def main(argv=None) -> int:
             return 0
         with open(args.readme, "w") as f:
             f.write(new)
-    from bench import plots
-
-    png = plots.write_summary_plot({fw: data for fw, (_, data) in found.items()},
-                                   args.plot or os.path.join(args.results, "cross_entropy.png"))
+    png = write_summary_plot({fw: data for fw, (_, data) in found.items()},
+                             args.plot or os.path.join(args.results, "cross_entropy.png"))
     print(f"plot {png}")
     return 0
 
