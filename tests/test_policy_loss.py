@@ -21,7 +21,7 @@ CASES = {
     "clipped-kl": (dict(beta=0.04, epsilon_high=0.28), dict(), ("old", "ref")),
     "entropy-T-bias-softcap": (dict(entropy_coef=0.01, temperature=0.7, softcap=4.0, epsilon_low=0.1),
                                dict(bias=True, logit_scale=3.0, lead=(2, 7)), ("old",)),
-    "weights-ignore": (dict(beta=0.1, ignore_index=3), dict(ignore_index=3), ("old", "ref", "weight")),
+    "weights-ignore": (dict(beta=0.1, ignore_index=3), dict(ignore_index=3), ("old", "ref", "weight", "policy")),
     # verl's dual-clip, TRL's bias-corrected KL and importance-sampling weights (0: a mask)
     "dual-clip-corrected-kl-is": (dict(beta=0.04, clip_ratio_c=1.5, kl_bias_correction=True), dict(lead=(4, 7)),
                                   ("old", "ref", "policy")),
@@ -232,9 +232,10 @@ def test_torch_layouts(layout):
     per-token tensors) give the dense call's result; DV weights too."""
     p, options, tokens = _problem("weights-ignore", "float32", "DV")
     ref = _reference(p, options, tokens)
-    layouts = {k: layout for k in ("x", "W", "y", "old_log_probs", "ref_log_probs", "token_weight")}
+    per_token = ("old_log_probs", "ref_log_probs", "token_weight", "policy_weight")
+    layouts = {k: layout for k in ("x", "W", "y") + per_token}
     if layout == "expanded":  # an expanded x, W or y is a different problem; the per-token tensors may be
-        layouts = {k: layout for k in ("old_log_probs", "ref_log_probs", "token_weight")}
+        layouts = {k: layout for k in per_token}
         tokens = {k: laid_out(torch.tensor(v), "expanded").numpy() if k in layouts else v for k, v in tokens.items()}
         ref = _reference(p, options, tokens)
     for strategy in ("speed", "memory"):
@@ -312,6 +313,11 @@ def test_nan_in_a_per_token_input_is_a_nan_gradient(framework):
     for strategy in STRATEGIES:
         got = run(framework, strategy, p, options, tokens)
         assert np.isnan(got["loss"]) and np.isnan(got["grad_x"].reshape(-1, p.x.shape[-1])[row]).all(), strategy
+    tokens["old_log_probs"].reshape(-1)[row] = 0.0  # a NaN importance-sampling weight: the same
+    tokens["policy_weight"] = np.ones(p.y.shape)
+    tokens["policy_weight"].reshape(-1)[row] = np.nan
+    got = run(framework, "speed", p, options, tokens)
+    assert np.isnan(got["loss"]) and np.isnan(got["grad_x"].reshape(-1, p.x.shape[-1])[row]).all()
 
 
 def test_torch_forms_no_gradient_where_none_is_asked(monkeypatch):
@@ -405,6 +411,8 @@ def test_torch_device_mix_is_named():
     x, W, y = torch.tensor(p.x), torch.tensor(p.W), torch.tensor(p.y)
     with pytest.raises(ValueError, match="old_log_probs"):
         torch_impl.linear_policy_loss(x, W, y, 1.0, old_log_probs=torch.zeros(p.y.shape, device="meta"))
+    with pytest.raises(ValueError, match="policy_weight"):
+        torch_impl.linear_policy_loss(x, W, y, 1.0, policy_weight=torch.ones(p.y.shape, device="meta"))
 
 
 def test_same_arguments_and_defaults_in_both_frameworks():

@@ -208,6 +208,19 @@ def _shift_targets(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+def _checked_targets(hidden_states: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                     shift_labels: torch.Tensor | None) -> torch.Tensor:
+    """The targets [B, T]: shift_labels as given, else labels shifted (`_shift_targets`);
+    ValueError naming the argument when their shape is not the tokens' (hidden_states [B, T, D])."""
+    name = "labels" if shift_labels is None else "shift_labels"
+    if shift_labels is None:
+        shift_labels = _shift_targets(labels, ignore_index)
+    if tuple(shift_labels.shape) != tuple(hidden_states.shape[:-1]):
+        raise ValueError(f"{name} must have the shape of the input's tokens {tuple(hidden_states.shape[:-1])}, got "
+                         f"{tuple(shift_labels.shape)}")
+    return shift_labels
+
+
 def _logit_transforms(config) -> tuple[float, float | None]:
     """(scale, softcap) of the logits after the head: logits = softcap(scale * (x W^T + b))."""
     scale = 1.0
@@ -248,12 +261,7 @@ def _causal_lm_loss(
     Returns:
         The fp32 scalar loss.
     """
-    name = "labels" if shift_labels is None else "shift_labels"
-    if shift_labels is None:
-        shift_labels = _shift_targets(labels, ignore_index)
-    if tuple(shift_labels.shape) != tuple(hidden_states.shape[:-1]):
-        raise ValueError(f"{name} must have the shape of the input's tokens {tuple(hidden_states.shape[:-1])}, got "
-                         f"{tuple(shift_labels.shape)}")
+    shift_labels = _checked_targets(hidden_states, labels, ignore_index, shift_labels)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     bias = lm_head.bias
     if scale != 1.0:
@@ -284,12 +292,7 @@ def _causal_lm_log_probs(
     Args as for `_causal_lm_loss`; temperature: T > 0 (the rollouts' sampling temperature);
     return_entropy: also the entropy. Selecting the labelled positions waits for the device
     (`nonzero`): under torch.compile a graph break."""
-    name = "labels" if shift_labels is None else "shift_labels"
-    if shift_labels is None:
-        shift_labels = _shift_targets(labels, ignore_index)
-    if tuple(shift_labels.shape) != tuple(hidden_states.shape[:-1]):
-        raise ValueError(f"{name} must have the shape of the input's tokens {tuple(hidden_states.shape[:-1])}, got "
-                         f"{tuple(shift_labels.shape)}")
+    shift_labels = _checked_targets(hidden_states, labels, ignore_index, shift_labels)
     if hasattr(hidden_states, "to_local"):  # a DTensor replicated by a tensor-parallel head's input hook
         hidden_states = hidden_states.full_tensor()
     targets = shift_labels.reshape(-1).to(hidden_states.device)
