@@ -291,12 +291,12 @@ def test_jax_under_jit_and_nan_for_a_bad_target():
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_per_token_values_of_ignored_tokens_are_never_read(framework):
-    """NaN and inf in the advantages, old and reference log-probabilities and weights of
+    """NaN and inf in the advantages, old and reference log-probabilities and both weights of
     ignored tokens (anything may stand there) change neither the loss nor the gradients."""
     p, options, tokens = _problem("weights-ignore", "float32")
     ignored = p.y == options["ignore_index"]
     poisoned = {k: np.where(ignored, bad, np.broadcast_to(v, p.y.shape))
-                for (k, v), bad in zip(tokens.items(), (np.nan, -np.inf, np.inf, np.nan))}
+                for (k, v), bad in zip(tokens.items(), (np.nan, -np.inf, np.inf, np.nan, -np.inf), strict=True)}
     for strategy in STRATEGIES:
         clean, dirty = run(framework, strategy, p, options, tokens), run(framework, strategy, p, options, poisoned)
         for k in clean:
