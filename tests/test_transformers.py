@@ -77,6 +77,17 @@ def make_batch() -> dict:
     return {"input_ids": input_ids, "labels": labels}
 
 
+def word_tokenizer():
+    """A tokenizer of the tiny models' VOCAB words "t0" .. "t100" (pad t0, bos t1, eos t2),
+    split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", pad_token="t0", eos_token="t2",
+                                                bos_token="t1")
+
+
 def train_step(model: nn.Module, **inputs):
     """(output, {parameter name: gradient}) of one forward + backward of ``output.loss``."""
     model.zero_grad(set_to_none=True)
@@ -622,12 +633,7 @@ def test_sft_trainer_trains_a_patched_model_as_the_unpatched_one(tmp_path):
     unpatched one, the patch stepping aside."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", pad_token="t0",
-                                                     eos_token="t2", bos_token="t1")
+    tokenizer = word_tokenizer()
     rows = datasets.Dataset.from_list([{"input_ids": [int(t) for t in torch.arange(i, i + 9) % 7 + 3]} for i in range(16)])
     runs = []
     for patch in (False, True):

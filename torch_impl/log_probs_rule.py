@@ -9,7 +9,8 @@ and keeps lse and the entropy; the backward pass recomputes each block and turns
 upstream gradients of the log-probabilities and of the entropy into dz. Nothing is computed
 in the forward pass for the backward: the upstream gradients are not known then.
 `forward_with_grads` serves a loss whose upstream gradients each row's own values decide
-(`torch_impl.policy_loss`): it forms them in the forward pass.
+(`torch_impl.policy_loss`): it forms them in the forward pass. `mean_logits` is the rows'
+mean logit, which trainers log.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from interop.log_probs import LogProbsOptions
 from torch_impl import engine
 from torch_impl.head import BlockPlan, HeadBlocks
 from torch_impl.rows import compute_dtype
-from torch_impl.steps import TorchOps
+from torch_impl.steps import TorchOps, capped
 from torch_impl.vocab_parallel import VocabSplit, local_targets
 
 SECOND_ORDER_MESSAGE = "logitless: linear_log_probs gives first-order gradients only"
@@ -184,6 +185,38 @@ def backward(grad_logp, grad_entropy, x, W, b_V, y_N, lse, entropy, o: LogProbsO
     blocks = _blocks(x, W, b_V, layout, plan, ops, active, split)
     rule = LogProbsRule(blocks, y_N, o, ops, split, saved=(lse, entropy), g=grad_logp, g_h=grad_entropy)
     return engine.backward(rule, blocks, need, split, x)
+
+
+class MeanLogitsRule(engine.Rule):
+    """The sum over the classes of u = softcap(z + b) (no gradient), per row: `total` [N] in
+    the compute dtype."""
+
+    def __init__(self, blocks: HeadBlocks, o: LogProbsOptions):
+        self.blocks, self.o = blocks, o
+        self.total = torch.zeros(blocks.n_rows, dtype=compute_dtype(blocks.x.dtype), device=blocks.x.device)
+
+    def stats_(self, z, v0, rs, sweep):
+        self.total[rs] += capped(z.to(self.total.dtype), v0, self.blocks.b, self.o.softcap).sum(1)
+
+    def rows_done(self, rs, sweep):
+        pass
+
+
+def mean_logits(x, W, b_V, o: LogProbsOptions, layout: str, plan: BlockPlan):
+    """The mean over the V classes of u = softcap(x W^T + b) / T for each row of x [N, D]:
+    [N] in the compute dtype, no gradient. Without a softcap the mean is linear in the logits,
+    x . mean(W) + mean(b): one [N, D] x [D] product; with one, the plan's blocks (`TorchOps`:
+    plan one for "chunked") sum the capped logits."""
+    wide = compute_dtype(x.dtype)
+    with torch.no_grad():
+        if o.softcap is None:
+            w_D = W.mean(dim=0 if layout == "VD" else 1, dtype=wide)
+            total = x.to(wide) @ w_D + (0.0 if b_V is None else b_V.mean(dtype=wide))
+            return total / o.temperature
+        blocks = HeadBlocks(x, W, b_V, layout, plan, logits_dtype=wide)
+        rule = MeanLogitsRule(blocks, o)
+        engine.forward(rule, blocks)
+        return rule.total / (blocks.vocab * o.temperature)
 
 
 @dataclasses.dataclass

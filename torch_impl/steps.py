@@ -67,7 +67,7 @@ class KernelOps:
         return z
 
 
-def _capped(z, v0, b_V, softcap):
+def capped(z, v0, b_V, softcap):
     s = z if b_V is None else z + b_V[v0 : v0 + z.shape[1]].to(z.dtype)
     return s if softcap is None else softcap * torch.tanh(s / softcap)
 
@@ -100,7 +100,7 @@ def _log_mix(lq, lp, beta: float):
 
 def _log_prob_stats_(z, v0, b_V, y_R, running, softcap, inv_t: float) -> None:
     m, l, a, best, idx, u_y = running
-    u = _capped(z, v0, b_V, softcap) * inv_t
+    u = capped(z, v0, b_V, softcap) * inv_t
     m_blk, idx_blk = u.max(dim=1)  # NaN propagates; the first maximum (a NaN first)
     safe = torch.where(m_blk == -torch.inf, 0.0, m_blk)[:, None]
     e = torch.exp(u - safe)
@@ -115,7 +115,7 @@ def _log_prob_stats_(z, v0, b_V, y_R, running, softcap, inv_t: float) -> None:
 
 
 def _log_prob_grad(z, v0, b_V, y_R, lse_R, entropy_R, g_R, g_h_R, softcap, inv_t: float):
-    s = _capped(z, v0, b_V, softcap)
+    s = capped(z, v0, b_V, softcap)
     log_p = s * inv_t - lse_R[:, None]
     p = torch.exp(log_p)
     du = -g_R[:, None] * p
@@ -135,7 +135,7 @@ class TorchOps:
 
     @staticmethod
     def stats_(z, v0, b_V, y_R, m_R, l_R, sy_R, softcap, scale: float, cw_V=None, ws_R=None) -> None:
-        s = _capped(z, v0, b_V, softcap)
+        s = capped(z, v0, b_V, softcap)
         if ws_R is not None:
             ws_R += s.sum(1) if cw_V is None else s @ cw_V[v0 : v0 + z.shape[1]].to(s.dtype)
         u = s * scale
@@ -149,7 +149,7 @@ class TorchOps:
 
     @staticmethod
     def grad(z, v0, b_V, y_R, softcap, scale: float, lse_R, p_R, ty_R, second, cw_V=None, s_R=None):
-        s = _capped(z, v0, b_V, softcap)
+        s = capped(z, v0, b_V, softcap)
         dz = p_R[:, None] * torch.exp(s * scale - lse_R[:, None])
         if second is not None:
             dz += second[0][:, None] * torch.exp(s - second[1][:, None])
