@@ -78,7 +78,8 @@ class PolicyLossResult:
 
 
 def linear_policy_loss_reference(input, linear_weight, target, advantages, *, old_log_probs=None, ref_log_probs=None,
-                                 token_weight=None, policy_weight=None, epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
+                                 token_weight=None, policy_weight=None, kl_weight=None, entropy_weight=None,
+                                 epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
                                  entropy_coef=0.0, clip_ratio_c=None, kl_bias_correction=False, linear_bias=None,
                                  temperature=1.0, softcap=None, ignore_index=-100, weight_layout="VD") -> PolicyLossResult:
     """The loss of `linear_policy_loss` and its gradients: the per-token terms
@@ -95,7 +96,8 @@ def linear_policy_loss_reference(input, linear_weight, target, advantages, *, ol
     logp = out.log_probs.reshape(-1)
     w = per_token(token_weight) if token_weight is not None else mean_weight(np, valid, logp)
     loss, g, g_h = token_terms(np, o, logp, out.entropy.reshape(-1), valid, per_token(advantages),
-                               per_token(old_log_probs), per_token(ref_log_probs), w, per_token(policy_weight))
+                               per_token(old_log_probs), per_token(ref_log_probs), w, per_token(policy_weight),
+                               per_token(kl_weight), per_token(entropy_weight))
     grads = linear_log_probs_reference(input, linear_weight, target, grad_log_probs=g.reshape(shape),
                                        grad_entropy=None if g_h is None else g_h.reshape(shape), **head)
     return PolicyLossResult(loss.sum(), grads.grad_input, grads.grad_weight, grads.grad_bias)

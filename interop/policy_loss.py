@@ -16,7 +16,8 @@ import dataclasses
 from interop.options import nonnegative
 
 # The per-token arguments, in the order `token_terms` takes them.
-TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight", "policy_weight")
+TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight", "policy_weight", "kl_weight",
+                   "entropy_weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +69,20 @@ def mean_weight(xp, valid, like):
 
 
 def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages, old_log_probs, ref_log_probs,
-                token_weight, policy_weight=None):
+                token_weight, policy_weight=None, kl_weight=None, entropy_weight=None):
     """(loss, d loss / d log_probs, d loss / d entropy) per token, [N] each, in xp's arrays.
 
     With r = exp(logp - old) (1 where old_log_probs is None: on-policy), A the advantage and
     k = exp(ref - logp) - (ref - logp) - 1 (the k3 estimate of the KL):
 
-        loss = w (v P + beta K - entropy_coef H),   P = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+        loss = w v P + w_kl beta K - w_h entropy_coef H,   P = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
 
     with P at most -clip_ratio_c A where A < 0 (dual-clip, when set), v the policy term's
     weight (policy_weight: importance-sampling ratios, masks; None: 1), K = r k with
-    kl_bias_correction, else k; 0 where `valid` is False (ignored tokens). A clipped or
-    bounded branch has no gradient; where two branches are equal the gradient is the
-    unclipped one's. The entropy's gradient is None when entropy_coef is 0."""
+    kl_bias_correction, else k; w = token_weight, w_kl = kl_weight and w_h = entropy_weight
+    (each None: w); 0 where `valid` is False (ignored tokens). A clipped or bounded branch
+    has no gradient; where two branches are equal the gradient is the unclipped one's. The
+    entropy's gradient is None when entropy_coef is 0."""
     zero = 0.0 * log_probs
     r = zero + 1.0 if old_log_probs is None else xp.exp(log_probs - old_log_probs)
     clipped = xp.clip(r, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high)
@@ -95,17 +97,20 @@ def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages,
         loss, g = xp.where(bounded, bound, loss), xp.where(bounded, zero, g)
     if policy_weight is not None:
         loss, g = policy_weight * loss, policy_weight * g
+    # where(valid, ...): an ignored token's terms may be inf or NaN (its old log-probability
+    # is anything), and 0 * NaN is NaN
+    w = xp.where(valid, token_weight, zero)
+    weight = lambda own: w if own is None else xp.where(valid, own, zero)
+    loss, g = w * loss, w * g
     if o.beta:
         d = ref_log_probs - log_probs
         kl, g_kl = xp.exp(d) - d - 1.0, 1.0 - xp.exp(d)
         if o.kl_bias_correction:  # d(r k) / d logp = r k + r dk / d logp
             kl, g_kl = r * kl, r * (kl + g_kl)
-        loss = loss + o.beta * kl
-        g = g + o.beta * g_kl
+        w_kl = weight(kl_weight)
+        loss, g = loss + o.beta * w_kl * kl, g + o.beta * w_kl * g_kl
+    g_h = None
     if o.entropy_coef:
-        loss = loss - o.entropy_coef * entropy
-    w = xp.where(valid, token_weight, zero)
-    # where(valid, ...): an ignored token's terms may be inf or NaN (its old log-probability
-    # is anything), and 0 * NaN is NaN
-    g_h = None if not o.entropy_coef else -o.entropy_coef * w
-    return xp.where(valid, w * loss, zero), xp.where(valid, w * g, zero), g_h
+        g_h = -o.entropy_coef * weight(entropy_weight)
+        loss = loss + g_h * entropy
+    return xp.where(valid, loss, zero), xp.where(valid, g, zero), g_h

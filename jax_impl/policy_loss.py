@@ -110,7 +110,8 @@ def _per_token(name: str, value, shape, wide):
 
 
 def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_probs=None, ref_log_probs=None,
-                       token_weight=None, policy_weight=None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                       token_weight=None, policy_weight=None, kl_weight=None, entropy_weight=None,
+                       epsilon_low: float = 0.2, epsilon_high: float = 0.2,
                        beta: float = 0.0, entropy_coef: float = 0.0, clip_ratio_c: float | None = None,
                        kl_bias_correction: bool = False, linear_bias=None, temperature: float = 1.0,
                        softcap: float | None = None, ignore_index: int | None = -100, weight_layout: str = "VD",
@@ -118,8 +119,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
                        vocab_parallel: str | None = None):
     """The clipped policy-gradient loss (PPO, GRPO): the arguments and formula of
     `logitless.torch.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
-    "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs, token_weight and
-    policy_weight broadcast to the target's shape; the default token_weight averages the call's tokens:
+    "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs, token_weight,
+    policy_weight, kl_weight and entropy_weight broadcast to the target's shape; the default token_weight averages the call's tokens:
     inside shard_map, each shard's). Differentiable in input, linear_weight and linear_bias
     (`jax.custom_vjp`; the per-token arrays get zero cotangents); usable under `jax.jit`,
     where a target out of [0, V) that is not ignore_index gives a NaN loss instead of the
@@ -137,7 +138,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
                                                                             vocab_parallel)
     n, wide = shape.n_rows, compute_dtype(input.dtype)
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                 token_weight=token_weight, policy_weight=policy_weight)
+                 token_weight=token_weight, policy_weight=policy_weight, kl_weight=kl_weight,
+                 entropy_weight=entropy_weight)
     tokens = {k: _per_token(k, given[k], target.shape, wide) for k in TOKEN_ARGUMENTS if given[k] is not None}
     y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, head.ignore_index)
     if "token_weight" not in tokens:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from interop.log_probs_reference import linear_log_probs_reference, linear_policy_loss_reference
+from interop.policy_loss import TOKEN_ARGUMENTS
 from tests.frameworks import SMALL, laid_out, make_problem, materialised_policy, rel_err, seed_of, tolerance
 from tests.frameworks import device as default_device
 
@@ -21,7 +22,9 @@ CASES = {
     "clipped-kl": (dict(beta=0.04, epsilon_high=0.28), dict(), ("old", "ref")),
     "entropy-T-bias-softcap": (dict(entropy_coef=0.01, temperature=0.7, softcap=4.0, epsilon_low=0.1),
                                dict(bias=True, logit_scale=3.0, lead=(2, 7)), ("old",)),
-    "weights-ignore": (dict(beta=0.1, ignore_index=3), dict(ignore_index=3), ("old", "ref", "weight", "policy")),
+    # every per-token input; the KL and the entropy weighed otherwise than the policy term
+    "weights-ignore": (dict(beta=0.1, entropy_coef=0.02, ignore_index=3), dict(ignore_index=3),
+                       ("old", "ref", "weight", "policy", "terms")),
     # verl's dual-clip, TRL's bias-corrected KL and importance-sampling weights (0: a mask)
     "dual-clip-corrected-kl-is": (dict(beta=0.04, clip_ratio_c=1.5, kl_bias_correction=True), dict(lead=(4, 7)),
                                   ("old", "ref", "policy")),
@@ -54,6 +57,9 @@ def _problem(case: str, dtype: str, layout: str = "VD", vocab: int = 53, lead=No
         tokens["token_weight"] = rng.uniform(0.0, 1.0, shape) / shape[-1]
     if "policy" in which:
         tokens["policy_weight"] = rng.uniform(0.5, 1.5, shape) * (rng.random(shape) > 0.2)
+    if "terms" in which:
+        tokens["kl_weight"] = rng.uniform(0.0, 2.0, shape) / shape[-1]
+        tokens["entropy_weight"] = np.full(shape, 1.0 / p.y.size)
     return p, options, tokens
 
 
@@ -155,14 +161,15 @@ def test_reference_matches_float64_autograd(case):
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
     if options.get("clip_ratio_c"):  # verl's dual-clip
         per_token = torch.where(adv < 0, torch.minimum(-adv * options["clip_ratio_c"], per_token), per_token)
-    per_token = per_token * tok.get("policy_weight", 1.0)
+    w = tok.get("token_weight", torch.full(ratio.shape, 1.0 / max(int(valid.sum()), 1), dtype=torch.float64))
+    per_token = w * per_token * tok.get("policy_weight", 1.0)
     if options.get("beta"):
         d = tok["ref_log_probs"] - logp
         kl = torch.exp(d) - d - 1
-        per_token = per_token + options["beta"] * (kl * ratio if options.get("kl_bias_correction") else kl)
-    per_token = per_token - options.get("entropy_coef", 0.0) * entropy
-    w = tok.get("token_weight", torch.full(ratio.shape, 1.0 / max(int(valid.sum()), 1), dtype=torch.float64))
-    loss = torch.where(valid, w * per_token, 0.0).sum()
+        per_token = per_token + tok.get("kl_weight", w) * options["beta"] * (kl * ratio if options.get(
+            "kl_bias_correction") else kl)
+    per_token = per_token - tok.get("entropy_weight", w) * options.get("entropy_coef", 0.0) * entropy
+    loss = torch.where(valid, per_token, 0.0).sum()
     grads = torch.autograd.grad(loss, leaves)
     np.testing.assert_allclose(ref.loss, loss.detach().numpy(), rtol=1e-12)
     for got, want in zip((ref.grad_input, ref.grad_weight, ref.grad_bias), grads):
@@ -232,7 +239,8 @@ def test_torch_layouts(layout):
     per-token tensors) give the dense call's result; DV weights too."""
     p, options, tokens = _problem("weights-ignore", "float32", "DV")
     ref = _reference(p, options, tokens)
-    per_token = ("old_log_probs", "ref_log_probs", "token_weight", "policy_weight")
+    per_token = TOKEN_ARGUMENTS[1:]
+    assert set(per_token) <= set(tokens)
     layouts = {k: layout for k in ("x", "W", "y") + per_token}
     if layout == "expanded":  # an expanded x, W or y is a different problem; the per-token tensors may be
         layouts = {k: layout for k in per_token}
@@ -296,7 +304,8 @@ def test_per_token_values_of_ignored_tokens_are_never_read(framework):
     p, options, tokens = _problem("weights-ignore", "float32")
     ignored = p.y == options["ignore_index"]
     poisoned = {k: np.where(ignored, bad, np.broadcast_to(v, p.y.shape))
-                for (k, v), bad in zip(tokens.items(), (np.nan, -np.inf, np.inf, np.nan, -np.inf), strict=True)}
+                for (k, v), bad in zip(tokens.items(), (np.nan, -np.inf, np.inf, np.nan, -np.inf, np.inf, np.nan),
+                                       strict=True)}
     for strategy in STRATEGIES:
         clean, dirty = run(framework, strategy, p, options, tokens), run(framework, strategy, p, options, poisoned)
         for k in clean:
@@ -399,8 +408,9 @@ def test_errors_name_the_argument(framework):
         fn(x, W, y, adv, clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="kl_bias_correction must be a bool"):
         fn(x, W, y, adv, kl_bias_correction="yes")
-    with pytest.raises(ValueError, match="policy_weight of shape"):
-        fn(x, W, y, adv, policy_weight=arr(np.ones(p.y.shape[0] + 1, np.float32)))
+    for name in TOKEN_ARGUMENTS[4:]:  # the weights
+        with pytest.raises(ValueError, match=f"{name} of shape"):
+            fn(x, W, y, adv, **{name: arr(np.ones(p.y.shape[0] + 1, np.float32))})
 
 
 def test_torch_device_mix_is_named():
@@ -411,8 +421,9 @@ def test_torch_device_mix_is_named():
     x, W, y = torch.tensor(p.x), torch.tensor(p.W), torch.tensor(p.y)
     with pytest.raises(ValueError, match="old_log_probs"):
         torch_impl.linear_policy_loss(x, W, y, 1.0, old_log_probs=torch.zeros(p.y.shape, device="meta"))
-    with pytest.raises(ValueError, match="policy_weight"):
-        torch_impl.linear_policy_loss(x, W, y, 1.0, policy_weight=torch.ones(p.y.shape, device="meta"))
+    for name in TOKEN_ARGUMENTS[4:]:  # the weights
+        with pytest.raises(ValueError, match=name):
+            torch_impl.linear_policy_loss(x, W, y, 1.0, **{name: torch.ones(p.y.shape, device="meta")})
 
 
 def test_same_arguments_and_defaults_in_both_frameworks():

@@ -114,6 +114,8 @@ def linear_policy_loss(
     ref_log_probs: torch.Tensor | None = None,
     token_weight: torch.Tensor | None = None,
     policy_weight: torch.Tensor | None = None,
+    kl_weight: torch.Tensor | None = None,
+    entropy_weight: torch.Tensor | None = None,
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     beta: float = 0.0,
@@ -136,7 +138,7 @@ def linear_policy_loss(
 
     Per token, with logp its log-probability, H the entropy, r = exp(logp - old_log_probs):
 
-        w (v P + beta K - entropy_coef H),   P = -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A),
+        w v P + w_kl beta K - w_h entropy_coef H,   P = -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A),
         K = exp(ref - logp) - (ref - logp) - 1 (times r with kl_bias_correction),
 
     P at most -clip_ratio_c A where A < 0 (dual-clip, when set), summed over the tokens
@@ -160,6 +162,9 @@ def linear_policy_loss(
             TRL's importance-sampling correction of vLLM's rollouts, an entropy or
             off-policy mask as 0.0 / 1.0 (their product); None: 1. Unlike verl, the log
             ratio is not clamped to [-20, 20].
+        kl_weight, entropy_weight: w_kl and w_h (target's shape, floating), the KL's and the
+            entropy's own token weights, for a trainer that averages those terms otherwise
+            than the policy term; None: w.
         epsilon_low, epsilon_high, beta, entropy_coef: as in the formula (each >= 0,
             epsilon_low < 1).
         clip_ratio_c: dual-clip's bound (verl's clip_ratio_c, > 1); None: none.
@@ -181,7 +186,8 @@ def linear_policy_loss(
     With vocab_parallel it runs as one eager step (a graph break).
     """
     kwargs = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, token_weight=token_weight,
-                  policy_weight=policy_weight, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+                  policy_weight=policy_weight, kl_weight=kl_weight, entropy_weight=entropy_weight,
+                  epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
                   entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c, kl_bias_correction=kl_bias_correction,
                   linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
@@ -209,14 +215,15 @@ def _with_gradients(total, pairs):
 
 
 def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, policy_weight,
-              epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+              kl_weight, entropy_weight, epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
               accumulate_in_input_dtype, tuning):
     """The call inside torch.compile: `log_probs.compiled`'s op (which checks the head's arguments when
     traced), then `token_terms`."""
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction)
     o.check_references(ref_log_probs)
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                 token_weight=token_weight, policy_weight=policy_weight)
+                 token_weight=token_weight, policy_weight=policy_weight, kl_weight=kl_weight,
+                 entropy_weight=entropy_weight)
     input, linear_weight, linear_bias = custom_ops.compiled_call(
         input, dict(linear_weight=linear_weight, target=target), _tensor_arguments(linear_bias, given), "none", None, linear_weight, linear_bias)
     ignore_index = LogProbsOptions(temperature, softcap, ignore_index).ignore_index
@@ -235,13 +242,14 @@ def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_lo
 
 @torch.compiler.disable
 def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, policy_weight,
-           epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
+           kl_weight, entropy_weight, epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
            accumulate_in_input_dtype, tuning, vocab_parallel, sequence_parallel):
     """The eager call (and a split head's step in compiled code)."""
     ((input, linear_weight, linear_bias),), vocab_parallel, rows_dim = split_operands(
         vocab_parallel, sequence_parallel, weight_layout, (input, linear_weight, linear_bias))
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-                 token_weight=token_weight, policy_weight=policy_weight)
+                 token_weight=token_weight, policy_weight=policy_weight, kl_weight=kl_weight,
+                 entropy_weight=entropy_weight)
     check_tensors(input, dict(linear_weight=linear_weight, target=target), _tensor_arguments(linear_bias, given))
     input, linear_weight, linear_bias = autocast_inputs(input, linear_weight, linear_bias)
     tuning = check_tuning(tuning)
