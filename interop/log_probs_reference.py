@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from interop.log_probs import LogProbsOptions
-from interop.policy_loss import PolicyLossOptions, mean_weight, token_terms
+from interop.policy_loss import PolicyLossOptions, mean_weight, token_stats, token_terms
 
 
 @dataclasses.dataclass
@@ -69,12 +69,14 @@ def linear_log_probs_reference(input, linear_weight, target, *, linear_bias=None
 
 @dataclasses.dataclass
 class PolicyLossResult:
-    """float64: the loss (0-d), grad_input [..., D], grad_weight as the given weight, grad_bias [V] or None."""
+    """float64: the loss (0-d), grad_input [..., D], grad_weight as the given weight, grad_bias [V] or None;
+    stats: `interop.policy_loss.token_stats`, each of the target's shape."""
 
     loss: np.ndarray
     grad_input: np.ndarray
     grad_weight: np.ndarray
     grad_bias: np.ndarray | None
+    stats: dict
 
 
 def linear_policy_loss_reference(input, linear_weight, target, advantages, *, old_log_probs=None, ref_log_probs=None,
@@ -100,4 +102,7 @@ def linear_policy_loss_reference(input, linear_weight, target, advantages, *, ol
                                per_token(kl_weight), per_token(entropy_weight))
     grads = linear_log_probs_reference(input, linear_weight, target, grad_log_probs=g.reshape(shape),
                                        grad_entropy=None if g_h is None else g_h.reshape(shape), **head)
-    return PolicyLossResult(loss.sum(), grads.grad_input, grads.grad_weight, grads.grad_bias)
+    stats = token_stats(np, o, logp, out.entropy.reshape(-1), valid, per_token(advantages), per_token(old_log_probs),
+                        per_token(ref_log_probs))
+    return PolicyLossResult(loss.sum(), grads.grad_input, grads.grad_weight, grads.grad_bias,
+                            {k: v.reshape(shape) for k, v in stats.items()})

@@ -15,6 +15,8 @@ import dataclasses
 
 from interop.options import nonnegative
 
+# The per-token values `token_stats` gives (return_stats): names, in order.
+STATS = ("log_probs", "entropy", "ratio", "kl", "clipped_low", "clipped_high", "dual_clipped")
 # The per-token arguments, in the order `token_terms` takes them.
 TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight", "policy_weight", "kl_weight",
                    "entropy_weight")
@@ -66,6 +68,29 @@ def mean_weight(xp, valid, like):
     elsewhere (a mean over the tokens), in like's dtype; valid: bool [N] over all the rows."""
     zero = 0.0 * like
     return xp.where(valid, zero + 1.0, zero) / xp.clip(valid.sum(), 1, None)
+
+
+def token_stats(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages, old_log_probs, ref_log_probs):
+    """The per-token values trainers log (their clip fractions, KL and entropy means), [N]
+    each, 0 or False where `valid` is False: log_probs, entropy, ratio r; kl (K of
+    `token_terms`) when ref_log_probs is given; clipped_low (r < 1 - eps_low where A < 0)
+    and clipped_high (r > 1 + eps_high where A > 0), the tokens whose clip took the
+    gradient away, as TRL counts them; dual_clipped (the bound -clip_ratio_c A held) when
+    clip_ratio_c is set."""
+    zero = 0.0 * log_probs
+    r = zero + 1.0 if old_log_probs is None else xp.exp(log_probs - old_log_probs)
+    a = advantages + zero
+    stats = dict(log_probs=log_probs, entropy=entropy, ratio=r)
+    if ref_log_probs is not None:
+        d = ref_log_probs - log_probs
+        stats["kl"] = (r if o.kl_bias_correction else 1.0) * (xp.exp(d) - d - 1.0)
+    stats = {k: xp.where(valid, v, zero) for k, v in stats.items()}
+    stats["clipped_low"] = valid & (r < 1.0 - o.epsilon_low) & (a < 0)
+    stats["clipped_high"] = valid & (r > 1.0 + o.epsilon_high) & (a > 0)
+    if o.clip_ratio_c is not None:
+        objective = xp.minimum(r * a, xp.clip(r, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high) * a)
+        stats["dual_clipped"] = valid & (a < 0) & (-objective > -o.clip_ratio_c * a)
+    return stats
 
 
 def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages, old_log_probs, ref_log_probs,

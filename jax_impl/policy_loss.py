@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from interop.blocking import skipping_pays
 from interop.log_probs import LogProbsOptions
-from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
+from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_stats, token_terms
 from interop.tuning import Tuning
 from jax_impl import engine
 from jax_impl.distill_rules import DistillConfig
@@ -27,7 +28,7 @@ from jax_impl.distill_rules import plan_steps
 from jax_impl.log_probs import checked_call
 from jax_impl.log_probs_rule import forward, forward_with_grads, grads
 from jax_impl.rows import compute_dtype, narrow_targets
-from jax_impl.sharding import on_mesh, with_rows_axes
+from jax_impl.sharding import on_mesh, row_spec, with_rows_axes
 
 
 def _terms(o: PolicyLossOptions, cfg: DistillConfig, y, logp, entropy, tokens: dict):
@@ -57,9 +58,10 @@ def _keep(cfg: DistillConfig, skip: bool, y_N):
 
 @dataclasses.dataclass(frozen=True)
 class _PolicyCall(engine.Call):
-    """The loss (0-d, fp32; fp64 for fp64 inputs) over arrays (x [N, D], W, b, int32
-    targets y [N], the per-token arrays: a dict of [N] in the compute dtype, absent keys
-    None; they get no gradient). skip: compute only the rows not ignored; axis: the
+    """The loss (0-d, fp32; fp64 for fp64 inputs) and the rows' log-probabilities and entropy
+    ([N], their cotangents unread) over arrays (x [N, D], W, b, int32 targets y [N], the
+    per-token arrays: a dict of [N] in the compute dtype, absent keys None; they get no
+    gradient). skip: compute only the rows not ignored; axis: the
     shard_map axis of a head split over the vocabulary (`log_probs_rule.forward`), or None."""
 
     cfg: DistillConfig
@@ -77,12 +79,12 @@ class _PolicyCall(engine.Call):
         if with_grads:
             logp, entropy, *grads = forward_with_grads(x_ND, W, b_V, y_N, (y_N,) + tuple(tokens.values()), cfg,
                                                        _Upstream(self.o, cfg, tuple(tokens)), keep, self.axis)
-            return _terms(self.o, cfg, y_N, logp, entropy, tokens)[0].sum(), None, tuple(grads)
+            return (_terms(self.o, cfg, y_N, logp, entropy, tokens)[0].sum(), logp, entropy), None, tuple(grads)
         logp, entropy, _, lse = forward(x_ND, W, b_V, y_N, cfg, keep, self.axis)
-        return _terms(self.o, cfg, y_N, logp, entropy, tokens)[0].sum(), (logp, entropy, lse), None
+        return (_terms(self.o, cfg, y_N, logp, entropy, tokens)[0].sum(), logp, entropy), (logp, entropy, lse), None
 
-    def backward(self, arrays, saved, g_loss):
-        (x_ND, W, b_V, y_N, tokens), (logp, entropy, lse) = arrays, saved
+    def backward(self, arrays, saved, cotangents):
+        (x_ND, W, b_V, y_N, tokens), (logp, entropy, lse), g_loss = arrays, saved, cotangents[0]
         _, g, g_h = _terms(self.o, self.cfg, y_N, logp, entropy, tokens)
         return grads(x_ND, W, b_V, y_N, lse, entropy, g * g_loss, None if g_h is None else g_h * g_loss, self.cfg,
                      _keep(self.cfg, self.skip, y_N), self.axis)
@@ -90,7 +92,7 @@ class _PolicyCall(engine.Call):
 
 def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLossOptions, skip: bool,
                 axis: str | None = None):
-    """`_PolicyCall`'s loss through `engine.apply`."""
+    """`_PolicyCall`'s (loss, log-probabilities, entropy) through `engine.apply`."""
     return engine.apply(_PolicyCall(cfg, o, skip, axis), x_ND, W, b_V, y_N, tokens)
 
 
@@ -116,7 +118,7 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
                        kl_bias_correction: bool = False, linear_bias=None, temperature: float = 1.0,
                        softcap: float | None = None, ignore_index: int | None = -100, weight_layout: str = "VD",
                        strategy: str = "auto", accumulate_in_input_dtype: bool = False, tuning: Tuning | None = None,
-                       vocab_parallel: str | None = None):
+                       vocab_parallel: str | None = None, return_stats: bool = False):
     """The clipped policy-gradient loss (PPO, GRPO): the arguments and formula of
     `logitless.torch.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
     "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs, token_weight,
@@ -128,7 +130,9 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     shard_map, the mesh axis splitting the head by vocabulary).
 
     Returns:
-        the loss, 0-d, fp32 (fp64 for fp64 input).
+        the loss, 0-d, fp32 (fp64 for fp64 input); with return_stats, (loss, stats), stats
+        the dict of per-token arrays of the target's shape that PyTorch's return_stats gives
+        (`interop.policy_loss.token_stats`; under `jax.lax.stop_gradient`).
     """
     head = LogProbsOptions(temperature, softcap, ignore_index)
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction)
@@ -155,8 +159,17 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     skip = strategy != "chunked" and skipping_pays(tuning, n, shape.hidden, local_vocab)
 
     def loss(x, W, b, y, *values):
-        return policy_loss(x.reshape(n, shape.hidden), W, b, y, dict(zip(keys, values)), cfg, o, skip, vocab_parallel)
+        total, logp, entropy = policy_loss(x.reshape(n, shape.hidden), W, b, y, dict(zip(keys, values)), cfg, o, skip,
+                                           vocab_parallel)
+        return total, logp.reshape(shape.lead_shape), entropy.reshape(shape.lead_shape)
 
     if vocab_parallel is not None:  # inside shard_map: the device's own operands
-        return loss(input, *with_rows_axes((linear_weight, linear_bias), input), y, *tokens.values())
-    return on_mesh(loss, (input, linear_weight, linear_bias, y, *tokens.values()), lambda: P())
+        total, logp, entropy = loss(input, *with_rows_axes((linear_weight, linear_bias), input), y, *tokens.values())
+    else:
+        total, logp, entropy = on_mesh(loss, (input, linear_weight, linear_bias, y, *tokens.values()),
+                                       lambda: (P(), row_spec(input), row_spec(input)))
+    if not return_stats:
+        return total
+    stats = token_stats(jnp, o, logp.reshape(n), entropy.reshape(n), y != ignore32, tokens["advantages"],
+                        tokens.get("old_log_probs"), tokens.get("ref_log_probs"))
+    return total, {k: jax.lax.stop_gradient(v.reshape(target.shape)) for k, v in stats.items()}

@@ -174,6 +174,18 @@ def test_reference_matches_float64_autograd(case):
     np.testing.assert_allclose(ref.loss, loss.detach().numpy(), rtol=1e-12)
     for got, want in zip((ref.grad_input, ref.grad_weight, ref.grad_bias), grads):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-13)
+    # the logged values, from the same formula (0 / False where ignored)
+    kl_term = (kl * ratio if options.get("kl_bias_correction") else kl) if options.get("beta") else None
+    want = dict(log_probs=logp, entropy=entropy, ratio=ratio, kl=kl_term, clipped_low=(ratio < 1 - eps_low) & (adv < 0),
+                clipped_high=(ratio > 1 + eps_high) & (adv > 0))
+    if options.get("clip_ratio_c"):
+        unbounded = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+        want["dual_clipped"] = (adv < 0) & (unbounded > -options["clip_ratio_c"] * adv)
+    want = {k: torch.where(valid, v.detach(), False if v.dtype == torch.bool else 0.0).numpy()
+            for k, v in want.items() if v is not None}
+    assert set(ref.stats) == set(want)
+    for key, value in want.items():
+        np.testing.assert_allclose(ref.stats[key], value, rtol=1e-12, atol=1e-14, err_msg=key)
     if "old_log_probs" in tokens:
         r = np.exp(ref_logp(p, options) - tokens["old_log_probs"])[p.y != options.get("ignore_index", -100)]
         assert (r < 1 - eps_low).any() and (r > 1 + eps_high).any()
@@ -295,6 +307,52 @@ def test_jax_under_jit_and_nan_for_a_bad_target():
     with pytest.raises(ValueError, match="target"):
         jax_impl.linear_policy_loss(*args)
     assert np.isnan(float(jax.jit(jax_impl.linear_policy_loss)(*args)))
+
+
+def _stats(framework: str, strategy: str, p, options, tokens, compiled=False):
+    """(loss, stats) of return_stats=True as float64 numpy (bool stats as bool)."""
+    if framework == "torch":
+        import torch_impl
+
+        dev = default_device()
+        x, W = torch.tensor(p.x, device=dev, requires_grad=True), torch.tensor(p.W, device=dev)
+        tok = {k: torch.tensor(v, dtype=torch.float32, device=dev) for k, v in tokens.items()}
+        call = lambda x, W, y, tok: torch_impl.linear_policy_loss(x, W, y, strategy=strategy, tuning=SMALL,
+                                                                  return_stats=True, **options, **tok)
+        if compiled:
+            call = torch.compile(call, fullgraph=True, backend="aot_eager")
+        loss, stats = call(x, W, torch.tensor(p.y, device=dev), tok)
+        assert not any(v.requires_grad for v in stats.values())
+        loss.backward()  # the loss keeps its gradients
+    else:
+        import jax.numpy as jnp
+
+        import jax_impl
+
+        loss, stats = jax_impl.linear_policy_loss(jnp.asarray(p.x), jnp.asarray(p.W), jnp.asarray(p.y.astype(np.int32)),
+                                                  strategy=strategy, tuning=SMALL, return_stats=True, **options,
+                                                  **{k: jnp.asarray(v, jnp.float32) for k, v in tokens.items()})
+    as_numpy = lambda v: np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+    return float(as_numpy(loss)), {k: as_numpy(v) for k, v in stats.items()}
+
+
+@pytest.mark.parametrize("framework, strategy", RUNS + [("torch-compiled", "speed")])
+@pytest.mark.parametrize("case", ["clipped-kl", "dual-clip-corrected-kl-is", "weights-ignore"])
+def test_return_stats_match_reference(framework, strategy, case):
+    """return_stats=True: the same loss, and the per-token values trainers log (0 / False
+    where ignored) as the float64 reference gives them, of the target's shape."""
+    p, options, tokens = _problem(case, "float32")
+    ref = _reference(p, options, tokens)
+    loss, stats = _stats(framework.split("-")[0], strategy, p, options, tokens, compiled="compiled" in framework)
+    assert rel_err(loss, ref.loss) <= tolerance("float32")
+    assert set(stats) == set(ref.stats) and ("dual_clipped" in stats) == ("clip_ratio_c" in options)
+    for key, want in ref.stats.items():
+        assert stats[key].shape == p.y.shape, key
+        if want.dtype == bool:
+            assert stats[key].dtype == bool and np.array_equal(stats[key], want), key
+        else:
+            assert rel_err(stats[key], want) <= tolerance("float32"), key
+    assert (ref.stats["clipped_low"] | ref.stats["clipped_high"]).any()
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])

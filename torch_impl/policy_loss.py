@@ -19,7 +19,7 @@ import torch
 
 from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
-from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_terms
+from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_stats, token_terms
 from interop.tuning import Tuning
 from torch_impl import custom_ops, engine, log_probs, log_probs_rule
 from torch_impl.arguments import autocast_inputs, check_tensors, dense
@@ -42,8 +42,9 @@ def _terms(o: PolicyLossOptions, tokens, rs, logp, entropy, valid):
 @dataclasses.dataclass
 class PolicyCall(engine.Call):
     """The loss on tensors (x [N, D], W, bias, targets y [N] (int64), then the per-token
-    tensors in TOKEN_ARGUMENTS' order, [N] in the compute dtype, or None); output the loss
-    (0-d, fp32, fp64 for fp64 inputs). With `active` (int64 [A]: the tokens not ignored)
+    tensors in TOKEN_ARGUMENTS' order, [N] in the compute dtype, or None); outputs the loss
+    (0-d, fp32, fp64 for fp64 inputs), and the rows' log-probabilities and entropy (no
+    gradient). With `active` (int64 [A]: the tokens not ignored)
     only those rows are computed, and y and the per-token tensors are [A]. "speed" forms the
     gradients in the forward pass; a later backward pass (retain_graph) recomputes. The
     per-token tensors are saved as the inputs are (changed in place before the backward
@@ -56,6 +57,7 @@ class PolicyCall(engine.Call):
     ops: type
     active: torch.Tensor | None
     split: object
+    non_differentiable = (1, 2)
     message = SECOND_ORDER_MESSAGE
 
     def _logp(self, x, W, b, y):
@@ -75,11 +77,11 @@ class PolicyCall(engine.Call):
         else:
             logp, entropy, lse = self._logp(x, W, b, y)
         loss = _terms(self.o, tokens, slice(None), logp, entropy, valid)[0].sum()
-        return (loss,), (logp, entropy, lse), grads
+        return (loss, logp, entropy), (logp, entropy, lse), grads
 
     def backward(self, tensors, saved, grad_outputs, need):
         (x, W, b, y), tokens = tensors[:4], tensors[4:]
-        (logp, entropy, lse), (grad_loss,) = saved, grad_outputs
+        (logp, entropy, lse), grad_loss = saved, grad_outputs[0]
         _, g, g_h = _terms(self.o, tokens, slice(None), logp, entropy, y != self.head.ignore_index)
         g, g_h = g * grad_loss, None if g_h is None else g_h * grad_loss
         if lse is None:  # a later backward of "speed": the statistics again
@@ -132,7 +134,8 @@ def linear_policy_loss(
     tuning: Tuning | None = None,
     vocab_parallel=None,
     sequence_parallel: bool = False,
-) -> torch.Tensor:
+    return_stats: bool = False,
+):
     """The clipped policy-gradient loss (PPO, GRPO) of the policy softmax(u), u = softcap(input
     @ W^T + b) / temperature, over the tokens `target`, without the N x V logits.
 
@@ -174,10 +177,16 @@ def linear_policy_loss(
         linear_log_probs (the per-token tensors hold the whole rows); "speed"
         forms the gradients in the forward pass (6 N D V flops, as a loss on materialised
         logits; with vocab_parallel 6 N D V / P on each of the P ranks).
+        return_stats: also return the per-token values trainers log, at no extra pass.
 
     Returns:
         the loss, 0-d, fp32 (fp64 for fp64 input), differentiable in input, linear_weight and
-        linear_bias (not in the per-token tensors, as RL trainers treat them).
+        linear_bias (not in the per-token tensors, as RL trainers treat them); with
+        return_stats, (loss, stats): a dict of tensors of the target's shape, without
+        gradient, 0 / False where ignored: "log_probs", "entropy", "ratio" (r), "kl" (K,
+        when ref_log_probs is given), "clipped_low" / "clipped_high" (bool: the tokens whose
+        clip removed the gradient, r < 1 - epsilon_low where A < 0 / r > 1 + epsilon_high
+        where A > 0), "dual_clipped" (bool, when clip_ratio_c is set).
 
     Inside torch.compile the call is linear_log_probs' custom op followed by the token
     terms as traced tensor operations, their gradients those of the eager call (the model
@@ -191,7 +200,7 @@ def linear_policy_loss(
                   entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c, kl_bias_correction=kl_bias_correction,
                   linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,
-                  tuning=tuning)
+                  tuning=tuning, return_stats=return_stats)
     if runs_compiled(vocab_parallel, sequence_parallel, input, linear_weight, linear_bias):
         return _compiled(input, linear_weight, target, advantages, **kwargs)
     return _eager(input, linear_weight, target, advantages, **kwargs, vocab_parallel=vocab_parallel,
@@ -215,8 +224,9 @@ def _with_gradients(total, pairs):
 
 
 def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, policy_weight,
-              kl_weight, entropy_weight, epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
-              accumulate_in_input_dtype, tuning):
+              kl_weight, entropy_weight, epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction,
+              linear_bias, temperature, softcap, ignore_index, weight_layout, strategy, accumulate_in_input_dtype, tuning,
+              return_stats):
     """The call inside torch.compile: `log_probs.compiled`'s op (which checks the head's arguments when
     traced), then `token_terms`."""
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction)
@@ -237,13 +247,23 @@ def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_lo
     if tokens["token_weight"] is None:
         tokens["token_weight"] = mean_weight(torch, valid, torch.zeros_like(logp))
     loss, g, g_h = token_terms(torch, o, logp.detach(), entropy.detach(), valid, *(tokens[k] for k in TOKEN_ARGUMENTS))
-    return _with_gradients(loss.sum(), ((g, logp), (g_h, entropy)))
+    loss = _with_gradients(loss.sum(), ((g, logp), (g_h, entropy)))
+    return (loss, _stats(o, logp, entropy, valid, tokens, target.shape)) if return_stats else loss
+
+
+def _stats(o: PolicyLossOptions, logp, entropy, valid, tokens: dict, shape) -> dict:
+    """`token_stats` of the rows ([N] each; the per-token tensors by name), each of shape
+    `shape`, without gradient."""
+    stats = token_stats(torch, o, logp.detach(), entropy.detach(), valid, tokens["advantages"],
+                        tokens["old_log_probs"], tokens["ref_log_probs"])
+    return {k: v.reshape(shape) for k, v in stats.items()}
 
 
 @torch.compiler.disable
 def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_probs, token_weight, policy_weight,
-           kl_weight, entropy_weight, epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction, linear_bias, temperature, softcap, ignore_index, weight_layout, strategy,
-           accumulate_in_input_dtype, tuning, vocab_parallel, sequence_parallel):
+           kl_weight, entropy_weight, epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction,
+           linear_bias, temperature, softcap, ignore_index, weight_layout, strategy, accumulate_in_input_dtype, tuning,
+           return_stats, vocab_parallel, sequence_parallel):
     """The eager call (and a split head's step in compiled code)."""
     ((input, linear_weight, linear_bias),), vocab_parallel, rows_dim = split_operands(
         vocab_parallel, sequence_parallel, weight_layout, (input, linear_weight, linear_bias))
@@ -294,10 +314,18 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
     chosen = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning)
     strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x_ND.device)
     rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
+    every_row = tokens
     if rows is not None:  # an ignored token adds nothing: the kernels compute only the others
         y_N, tokens = y_N[rows], {k: None if v is None else v[rows] for k, v in tokens.items()}
     plan, ops = plan_steps(tuning, "log_probs", strategy, y_N.shape[0], shape.hidden, plan_vocab, x_ND.dtype,
                            accumulate_in_input_dtype, gathered_rows=rows is not None,
                            whole_vocab=None if split is None else split.vocab)
     call = PolicyCall(o, head, weight_layout, plan, ops, rows, split)
-    return engine.apply(call, x_ND, linear_weight, dense(linear_bias), y_N, *(tokens[k] for k in TOKEN_ARGUMENTS))
+    loss, logp, entropy = engine.apply(call, x_ND, linear_weight, dense(linear_bias), y_N,
+                                       *(tokens[k] for k in TOKEN_ARGUMENTS))
+    if not return_stats:
+        return loss
+    if rows is not None:  # the rows computed, put back among all
+        logp, entropy = (torch.zeros(valid.shape, dtype=t.dtype, device=t.device).index_copy_(0, rows, t)
+                         for t in (logp, entropy))
+    return loss, _stats(o, logp, entropy, valid, every_row, target.shape)
