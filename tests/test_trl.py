@@ -144,11 +144,12 @@ _TIMING = ("time", "runtime", "per_second", "flos")
 
 
 def _train(trainer_class, config_class, tmp_path, monkeypatch, patched: bool, dataset, steps=2, **options):
-    """(the numeric log entries, the trained model, calls of the library's head) of a short run
+    """(the numeric log entries, the trained model, the library head's calls: whether each
+    ran under autocast) of a short run
     of `trainer_class` on a tiny fp32 Llama (`make_model`, saved under tmp_path)."""
     monkeypatch.setattr(trl_utils, adapter.TRL_HOOK, TRL_FUNCTION)  # TRL's own, restored after the test
     calls = []
-    monkeypatch.setattr(adapter, "fused_head_outputs", lambda *a: calls.append(a[0].shape) or FUSED_HEAD(*a))
+    monkeypatch.setattr(adapter, "fused_head_outputs", lambda *a: calls.append(torch.is_autocast_enabled(a[0].device.type)) or FUSED_HEAD(*a))
     if patched:
         adapter.patch_trl()
     path = tmp_path / "model"
@@ -156,7 +157,7 @@ def _train(trainer_class, config_class, tmp_path, monkeypatch, patched: bool, da
         make_model().save_pretrained(path)
     args = config_class(output_dir=str(tmp_path / f"{trainer_class.__name__}{patched}"), max_steps=steps,
                         learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                        bf16=False, **options)  # fp32: both heads exact to rounding
+                        **{"bf16": False, **options})  # fp32 (both heads exact to rounding) unless asked
     kwargs = {"train_dataset": dataset, "processing_class": word_tokenizer()}
     if trainer_class is trl.GRPOTrainer or trainer_class is trl.RLOOTrainer:
         kwargs["reward_funcs"] = _reward
@@ -180,9 +181,10 @@ def _check_same_run(tmp_path, monkeypatch, trainer_class, config_class, dataset,
     assert [set(e) for e in logs] == [set(e) for e in ref_logs]
     for entry, ref in zip(logs, ref_logs):
         for key, value in ref.items():
-            assert math.isclose(entry[key], value, rel_tol=rtol, abs_tol=1e-6), (key, entry[key], value)
+            assert math.isclose(entry[key], value, rel_tol=rtol, abs_tol=rtol / 100), (key, entry[key], value)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert float((p - q).norm()) <= 10 * rtol * float(q.norm()), name
+    assert all(autocast == options.get("bf16", False) for autocast in calls)
     return logs
 
 
@@ -244,6 +246,15 @@ def test_grpo_trainer(tmp_path, monkeypatch, case):
     _check_same_run(tmp_path, monkeypatch, trl.GRPOTrainer, trl.GRPOConfig, _prompts(), per_device_train_batch_size=4,
                     num_generations=4, max_completion_length=6, beta=0.04, temperature=0.8, num_iterations=2,
                     **GRPO_CASES[case])
+
+
+@needs_trl_head
+def test_grpo_trainer_under_bf16_autocast(tmp_path, monkeypatch):
+    """TRL's default precision (bf16=True: the fp32 model under bf16 autocast), where both
+    heads compute in bf16: the same run within bf16's rounding."""
+    _check_same_run(tmp_path, monkeypatch, trl.GRPOTrainer, trl.GRPOConfig, _prompts(), rtol=2e-2,
+                    per_device_train_batch_size=4, num_generations=4, max_completion_length=6, beta=0.04,
+                    temperature=0.8, num_iterations=2, bf16=True)
 
 
 @needs_trl_head
