@@ -9,7 +9,8 @@ dimension never split), and the partitioner is told:
 - rows: each device computes the rows it holds (the sharding of the first row operand's
   rows, when the number of rows divides evenly); row operands and row outputs keep it.
   Outputs without rows (a reduced loss, grad_weight, grad_bias) are each device's partial
-  sums, summed over those axes (in fp32; fp64 for fp64).
+  sums, summed over those axes (in fp32; fp64 for fp64; a 16-bit grad_weight
+  reduce-scattered in fp32 and all-gathered in its dtype).
 - classes: a head sharded on its vocabulary dimension over one mesh axis that the rows do
   not use (and that divides V evenly) is split there, where the loss can split its head
   (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
@@ -175,9 +176,17 @@ def _spec(factors: str, axes: Axes) -> P:
     return P(*(place.get(f) for f in factors.split()))
 
 
-def _sum_over(g, rows: tuple):
-    """A partial sum summed over the row axes in fp32 (fp64 for fp64), back in its dtype."""
-    return jax.lax.psum(g.astype(compute_dtype(g.dtype)), rows).astype(g.dtype)
+def _sum_over(g, rows: tuple, devices: int):
+    """A partial sum summed over the row axes (of `devices` devices) in fp32 (fp64 for fp64),
+    back in its dtype. A narrower partial whose first dimension the devices divide (a 16-bit
+    grad_weight) is reduce-scattered in fp32, rounded, then all-gathered in its own dtype:
+    the same numbers as an fp32 all-reduce, with 3/4 of its traffic (a ring all-reduce is a
+    reduce-scatter and an all-gather, both in fp32)."""
+    wide = compute_dtype(g.dtype)
+    if g.dtype == wide or g.ndim == 0 or g.shape[0] % devices:
+        return jax.lax.psum(g.astype(wide), rows).astype(g.dtype)
+    mine = jax.lax.psum_scatter(g.astype(wide), rows, scatter_dimension=0, tiled=True)
+    return jax.lax.all_gather(mine.astype(g.dtype), rows, axis=0, tiled=True)
 
 
 def _partition(job: _Pass, mesh, arg_shapes, result_shape):
@@ -188,7 +197,8 @@ def _partition(job: _Pass, mesh, arg_shapes, result_shape):
         outs = job(axes, *arrays)
         if not axes.rows:
             return outs
-        return tuple(o if "n" in s.split() else _sum_over(o, axes.rows) for o, s in zip(outs, out_specs))
+        devices = math.prod(mesh.shape[a] for a in axes.rows)
+        return tuple(o if "n" in s.split() else _sum_over(o, axes.rows, devices) for o, s in zip(outs, out_specs))
 
     named = lambda s: NamedSharding(mesh, _spec(s, axes))
     return mesh, lower, tuple(map(named, out_specs)), tuple(map(named, specs))

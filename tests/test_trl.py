@@ -145,8 +145,8 @@ _TIMING = ("time", "runtime", "per_second", "flos")
 
 def _train(trainer_class, config_class, tmp_path, monkeypatch, patched: bool, dataset, steps=2, **options):
     """(the numeric log entries, the trained model, the library head's calls: whether each
-    ran under autocast) of a short run
-    of `trainer_class` on a tiny fp32 Llama (`make_model`, saved under tmp_path)."""
+    ran under autocast) of a short run of `trainer_class` on a tiny fp32 Llama
+    (`make_model`, saved under tmp_path)."""
     monkeypatch.setattr(trl_utils, adapter.TRL_HOOK, TRL_FUNCTION)  # TRL's own, restored after the test
     calls = []
     monkeypatch.setattr(adapter, "fused_head_outputs", lambda *a: calls.append(torch.is_autocast_enabled(a[0].device.type)) or FUSED_HEAD(*a))

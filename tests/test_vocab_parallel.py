@@ -1282,6 +1282,49 @@ def test_jax_jit_partitions_sharded_operands_instead_of_gathering(tmp_path):
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+ROWS_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_impl
+from interop.reference import linear_cross_entropy_reference
+from tests.frameworks import SMALL, tolerance
+
+mesh = jax.make_mesh((4,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+rng = np.random.default_rng(12)
+N, D = 48, 16
+bad = []
+for V in (52, 50):  # 52 classes divide over 4 devices (reduce-scattered), 50 don't (all-reduced)
+    x = rng.standard_normal((N, D)).astype(jnp.bfloat16)
+    W = (rng.standard_normal((V, D)) * 0.5).astype(jnp.bfloat16)
+    y = rng.integers(0, V, N).astype(np.int32)
+    ref = linear_cross_entropy_reference(np.asarray(x, np.float64), np.asarray(W, np.float64), y)
+    for strategy in ("speed", "memory"):
+        f = jax.jit(jax.value_and_grad(lambda x_, W_: jax_impl.linear_cross_entropy(
+            x_, W_, jnp.asarray(y), strategy=strategy, tuning=SMALL), argnums=(0, 1)))
+        args = (jax.device_put(x, NamedSharding(mesh, P("dp", None))), jax.device_put(W, NamedSharding(mesh, P())))
+        loss, (gx, gW) = f(*args)
+        err = lambda a, w: float(np.linalg.norm(np.asarray(a, np.float64) - w) / np.linalg.norm(w))
+        errs = [err(loss, ref.loss), err(gx, ref.grad_input), err(gW, ref.grad_weight)]
+        if max(errs) > tolerance("bfloat16") or gW.dtype != jnp.bfloat16 or gW.sharding.spec not in (P(), P(None, None)):
+            bad.append((V, strategy, errs, gW.dtype, gW.sharding.spec))
+        hlo = f.lower(*args).compile().as_text()
+        scattered = any(" reduce-scatter(" in line and f"f32[{V // 4},{D}]" in line for line in hlo.splitlines())
+        if scattered != (V % 4 == 0):
+            bad.append((V, strategy, "grad_weight reduce-scattered" if scattered else "not reduce-scattered"))
+print("BAD", bad)
+print("done" if not bad else "failed")
+"""
+
+
+def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
+    """Under jax.jit with the rows sharded over 4 CPU devices and a replicated bf16 head: the
+    partial grad_weights are reduce-scattered in fp32 and all-gathered in bf16 (where the
+    devices divide the classes; all-reduced where not), and every result is the float64
+    reference's within bf16's tolerance, grad_weight replicated in bf16."""
+    done = _jax_process(["-c", ROWS_SCRIPT], "cpu", timeout=900)
+    assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("mesh", ["1,2", "2,1", pytest.param("2,2", id="2,2-4gpus"), pytest.param("1,4", id="1,4-4gpus")])
