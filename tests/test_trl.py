@@ -95,18 +95,63 @@ def test_only_the_asked_outputs_and_bad_arguments_named():
     assert [o is not None for o in outs] == [True, False, False, False, True] and outs[4].dtype == torch.bool
     with pytest.raises(ValueError, match="outputs must be among .* got .*'logits'"):
         adapter.fused_head_outputs(x, W, None, y, 1.0, 32, None, 1.0, ("log_probs", "logits"))
-    with pytest.raises(ValueError, match="logit_scale must be > 0, got 0.0"):
-        adapter.fused_head_outputs(x, W, None, y, 1.0, 32, None, 0.0)
     with pytest.raises(ValueError, match="target"):
         adapter.fused_head_outputs(x, W, None, y + VOCAB, 1.0, 32, None, 1.0)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_a_logit_scale_not_above_zero_scales_the_logits(scale):
+    """logit_scale 0 (a uniform distribution, which TRL keeps) and a negative one: the
+    formula's numbers, from scaled hidden states."""
+    gen = torch.Generator().manual_seed(4)
+    x, W = torch.randn(7, 8, generator=gen), torch.randn(VOCAB, 8, generator=gen)
+    b, y = torch.randn(VOCAB, generator=gen), torch.randint(0, VOCAB, (7,), generator=gen)
+    got = adapter.fused_head_outputs(x, W, b, y, 0.8, 32, 2.0, scale, adapter.OUTPUTS[:4])
+    want = _formula(x, W, b, y, 0.8, 2.0, scale)
+    for key, g, w in zip(adapter.OUTPUTS[:4], got, want):
+        assert torch.allclose(g.double(), w, rtol=1e-5, atol=1e-5), key
+    if scale == 0.0:
+        assert torch.allclose(got[0], torch.full((7,), -math.log(VOCAB)))
+
+
+def test_fp32_hidden_states_with_a_16_bit_head_run_in_fp32():
+    """TRL's cast_lm_head_to_fp32 passes fp32 hidden states with the bf16 head: the head runs
+    in fp32 (fp32's tolerance of the formula on the bf16 weights), gradients in each dtype."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 8, generator=gen, requires_grad=True)
+    W = (torch.randn(VOCAB, 8, generator=gen) * LOGIT_SCALE / 8**0.5).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, VOCAB, (9,), generator=gen)
+    logp, entropy, *_ = adapter.fused_head_outputs(x, W, None, y, 1.0, 32, None, 1.0, ("log_probs", "entropy"))
+    want = _formula(x.detach(), W.detach(), None, y, 1.0, None, 1.0)
+    assert _err(logp, want[0]) <= tolerance("float32") and _err(entropy, want[1]) <= tolerance("float32")
+    (logp.sum() + entropy.sum()).backward()
+    assert x.grad.dtype == torch.float32 and W.grad.dtype == torch.bfloat16
+
+
+@needs_trl_head
+def test_deepspeed_zero3_is_refused_where_a_gradient_is_taken(monkeypatch):
+    """Under ZeRO-3 (TRL gathers the head around the forward call only) a call that takes
+    gradients raises; scoring without them (a reference model) runs."""
+    import transformers.integrations.deepspeed as deepspeed
+
+    monkeypatch.setattr(deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    gen = torch.Generator().manual_seed(6)
+    x, W, y = torch.randn(5, 8, generator=gen), torch.randn(VOCAB, 8, generator=gen), torch.randint(0, VOCAB, (5,))
+    with torch.no_grad():
+        adapter._FusedHead.apply(x, W.requires_grad_(), None, y, 1.0, 32, None, 1.0, ("log_probs",))
+    with pytest.raises(RuntimeError, match="does not support DeepSpeed ZeRO-3"):
+        adapter._FusedHead.apply(x, W, None, y, 1.0, 32, None, 1.0, ("log_probs",))
+
+
 @needs_trl_head
 def test_patch_trl_replaces_one_name_and_refuses_a_moved_trl(monkeypatch):
+    import inspect
+
+    assert tuple(inspect.signature(adapter.fused_head_outputs).parameters) == adapter.PARAMETERS
     monkeypatch.setattr(trl_utils, adapter.TRL_HOOK, TRL_FUNCTION)
     adapter.patch_trl()
     adapter.patch_trl()  # a second call changes nothing
-    assert getattr(trl_utils, adapter.TRL_HOOK).apply is not TRL_FUNCTION.apply
+    assert getattr(trl_utils, adapter.TRL_HOOK) is adapter._FusedHead
 
     class Moved(torch.autograd.Function):
         @staticmethod
@@ -149,7 +194,8 @@ def _train(trainer_class, config_class, tmp_path, monkeypatch, patched: bool, da
     (`make_model`, saved under tmp_path)."""
     monkeypatch.setattr(trl_utils, adapter.TRL_HOOK, TRL_FUNCTION)  # TRL's own, restored after the test
     calls = []
-    monkeypatch.setattr(adapter, "fused_head_outputs", lambda *a: calls.append(torch.is_autocast_enabled(a[0].device.type)) or FUSED_HEAD(*a))
+    spy = lambda *a: calls.append(torch.is_autocast_enabled(a[0].device.type)) or FUSED_HEAD(*a)
+    monkeypatch.setattr(adapter, "fused_head_outputs", spy)
     if patched:
         adapter.patch_trl()
     path = tmp_path / "model"

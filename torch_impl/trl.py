@@ -25,6 +25,7 @@ import torch
 
 from interop.log_probs import LogProbsOptions
 from interop.options import check_tuning
+from torch_impl.arguments import autocast_inputs
 from torch_impl.log_probs import linear_log_probs
 from torch_impl.log_probs_rule import mean_logits
 from torch_impl.steps import plan_steps
@@ -51,9 +52,9 @@ def fused_head_outputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
             hidden states with a 16-bit head: the head runs in fp32).
         targets: [N] int64 class ids in [0, V).
         temperature: T > 0. final_logit_softcapping: c > 0 for c * tanh(z / c), or None.
-        logit_scale: s > 0, the logits' multiplier before the softcap (Cohere's, Granite's
-            1 / logits_scaling). It is exact as a change of units: softcap_c(s z) / T =
-            softcap_{c/s}(z) / (T / s).
+        logit_scale: s, the logits' multiplier before the softcap (Cohere's, Granite's
+            1 / logits_scaling). s > 0 is exact as a change of units: softcap_c(s z) / T =
+            softcap_{c/s}(z) / (T / s); another s scales the hidden states and the bias.
         chunk_size: TRL's vocabulary tile, unused (the library plans its own blocks).
         outputs: which of OUTPUTS to return; log_probs always is.
 
@@ -67,12 +68,14 @@ def fused_head_outputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
     unknown = [name for name in outputs if name not in OUTPUTS]
     if unknown:
         raise ValueError(f"outputs must be among {OUTPUTS}, got {tuple(outputs)!r}")
-    if not logit_scale > 0:
-        raise ValueError(f"logit_scale must be > 0, got {logit_scale!r}")
     device = hidden.device
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
-    x, W, b = (None if t is None else t.to(dtype) for t in (hidden, weight, bias))
-    T, cap = temperature / logit_scale, None if final_logit_softcapping is None else final_logit_softcapping / logit_scale
+    x, W, b = autocast_inputs(hidden, weight, bias)
+    W, b = (None if t is None else t.to(x.dtype) for t in (W, b))  # TRL's cast_lm_head_to_fp32: fp32 hidden
+    T, cap = temperature, final_logit_softcapping
+    if logit_scale > 0:  # a change of units, exact
+        T, cap = T / logit_scale, None if cap is None else cap / logit_scale
+    else:  # 0 (a uniform distribution, as TRL keeps it) or negative: the logits scaled
+        x, b = x * logit_scale, None if b is None else b * logit_scale
     head = dict(linear_bias=b, softcap=cap, ignore_index=None)
     with torch.autocast(device.type, enabled=False):
         log_probs, entropy, argmax = linear_log_probs(x, W, targets, temperature=T, return_entropy=True,
@@ -83,7 +86,7 @@ def fused_head_outputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
                 log_sum_sq = 2 * log_probs.detach() - linear_log_probs(x, W, targets, temperature=T / 2, **head)
         if "mean_logits" in outputs:
             n, d = x.shape
-            plan, _ = plan_steps(check_tuning(None), "log_probs", "chunked", n, d, W.shape[0], dtype, False)
+            plan, _ = plan_steps(check_tuning(None), "log_probs", "chunked", n, d, W.shape[0], x.dtype, False)
             mean = mean_logits(x, W, b, LogProbsOptions(T, cap, None), "VD", plan)
     return (log_probs, entropy if "entropy" in outputs else None, log_sum_sq, mean,
             argmax == targets if "is_top1" in outputs else None)
@@ -93,15 +96,17 @@ class _FusedHead:
     """What TRL's forward calls in place of its function: `apply` with its arguments."""
 
     @staticmethod
-    def apply(*args):
+    def apply(*args, **kwargs):
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-        if is_deepspeed_zero3_enabled():
+        tensors = args[:3] + tuple(kwargs.get(k) for k in PARAMETERS[len(args):3])
+        differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        if differentiated and is_deepspeed_zero3_enabled():
             # TRL gathers a ZeRO-3 head around the forward call only; the library's backward
             # pass reads the head again, outside that gather, where it holds no elements.
             raise RuntimeError("patch_trl does not support DeepSpeed ZeRO-3 (the backward pass reads the head "
                                "outside TRL's gather of it): use ZeRO-2 or FSDP2, or leave TRL's own fused head")
-        return fused_head_outputs(*args)
+        return fused_head_outputs(*args, **kwargs)
 
 
 def _trl_version() -> str:
