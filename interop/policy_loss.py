@@ -78,19 +78,45 @@ def token_stats(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages,
     gradient away, as TRL counts them; dual_clipped (the bound -clip_ratio_c A held) when
     clip_ratio_c is set."""
     zero = 0.0 * log_probs
-    r = zero + 1.0 if old_log_probs is None else xp.exp(log_probs - old_log_probs)
+    r, _, _, bounded = _policy_term(xp, o, log_probs, advantages, old_log_probs)
     a = advantages + zero
     stats = dict(log_probs=log_probs, entropy=entropy, ratio=r)
     if ref_log_probs is not None:
-        d = ref_log_probs - log_probs
-        stats["kl"] = (r if o.kl_bias_correction else 1.0) * (xp.exp(d) - d - 1.0)
+        stats["kl"] = _kl_term(xp, o, r, log_probs, ref_log_probs)[0]
     stats = {k: xp.where(valid, v, zero) for k, v in stats.items()}
     stats["clipped_low"] = valid & (r < 1.0 - o.epsilon_low) & (a < 0)
     stats["clipped_high"] = valid & (r > 1.0 + o.epsilon_high) & (a > 0)
-    if o.clip_ratio_c is not None:
-        objective = xp.minimum(r * a, xp.clip(r, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high) * a)
-        stats["dual_clipped"] = valid & (a < 0) & (-objective > -o.clip_ratio_c * a)
+    if bounded is not None:
+        stats["dual_clipped"] = valid & bounded
     return stats
+
+
+def _policy_term(xp, o: PolicyLossOptions, log_probs, advantages, old_log_probs):
+    """(r, P, dP / d log_probs, where dual-clip's bound held (None without one)) per token,
+    as `token_terms` defines them."""
+    zero = 0.0 * log_probs
+    r = zero + 1.0 if old_log_probs is None else xp.exp(log_probs - old_log_probs)
+    clipped = xp.clip(r, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high)
+    unclipped_obj, clipped_obj = r * advantages, clipped * advantages
+    loss = -xp.minimum(unclipped_obj, clipped_obj)
+    # the unclipped branch unless the clipped one is the smaller: a NaN ratio or advantage
+    # takes it, so its gradient is NaN too, as the loss is
+    g = xp.where(unclipped_obj > clipped_obj, zero, -unclipped_obj)
+    bounded = None
+    if o.clip_ratio_c is not None:
+        bound = -o.clip_ratio_c * advantages
+        bounded = (advantages < 0) & (loss > bound)
+        loss, g = xp.where(bounded, bound, loss), xp.where(bounded, zero, g)
+    return r, loss, g, bounded
+
+
+def _kl_term(xp, o: PolicyLossOptions, r, log_probs, ref_log_probs):
+    """(K, dK / d log_probs) per token, as `token_terms` defines them."""
+    d = ref_log_probs - log_probs
+    kl, g_kl = xp.exp(d) - d - 1.0, 1.0 - xp.exp(d)
+    if o.kl_bias_correction:  # d(r k) / d logp = r k + r dk / d logp
+        kl, g_kl = r * kl, r * (kl + g_kl)
+    return kl, g_kl
 
 
 def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages, old_log_probs, ref_log_probs,
@@ -109,17 +135,7 @@ def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages,
     has no gradient; where two branches are equal the gradient is the unclipped one's. The
     entropy's gradient is None when entropy_coef is 0."""
     zero = 0.0 * log_probs
-    r = zero + 1.0 if old_log_probs is None else xp.exp(log_probs - old_log_probs)
-    clipped = xp.clip(r, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high)
-    unclipped_obj, clipped_obj = r * advantages, clipped * advantages
-    loss = -xp.minimum(unclipped_obj, clipped_obj)
-    # the unclipped branch unless the clipped one is the smaller: a NaN ratio or advantage
-    # takes it, so its gradient is NaN too, as the loss is
-    g = xp.where(unclipped_obj > clipped_obj, zero, -unclipped_obj)
-    if o.clip_ratio_c is not None:
-        bound = -o.clip_ratio_c * advantages
-        bounded = (advantages < 0) & (loss > bound)
-        loss, g = xp.where(bounded, bound, loss), xp.where(bounded, zero, g)
+    r, loss, g, _ = _policy_term(xp, o, log_probs, advantages, old_log_probs)
     if policy_weight is not None:
         loss, g = policy_weight * loss, policy_weight * g
     # where(valid, ...): an ignored token's terms may be inf or NaN (its old log-probability
@@ -128,10 +144,7 @@ def token_terms(xp, o: PolicyLossOptions, log_probs, entropy, valid, advantages,
     weight = lambda own: w if own is None else xp.where(valid, own, zero)
     loss, g = w * loss, w * g
     if o.beta:
-        d = ref_log_probs - log_probs
-        kl, g_kl = xp.exp(d) - d - 1.0, 1.0 - xp.exp(d)
-        if o.kl_bias_correction:  # d(r k) / d logp = r k + r dk / d logp
-            kl, g_kl = r * kl, r * (kl + g_kl)
+        kl, g_kl = _kl_term(xp, o, r, log_probs, ref_log_probs)
         w_kl = weight(kl_weight)
         loss, g = loss + o.beta * w_kl * kl, g + o.beta * w_kl * g_kl
     g_h = None

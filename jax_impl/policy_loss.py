@@ -122,8 +122,9 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     """The clipped policy-gradient loss (PPO, GRPO): the arguments and formula of
     `logitless.torch.linear_policy_loss` (input [..., D], linear_weight [V, D] "VD" or [D, V]
     "DV", target [...] token ids; advantages, old_log_probs, ref_log_probs, token_weight,
-    policy_weight, kl_weight and entropy_weight broadcast to the target's shape; the default token_weight averages the call's tokens:
-    inside shard_map, each shard's). Differentiable in input, linear_weight and linear_bias
+    policy_weight, kl_weight and entropy_weight broadcast to the target's shape; the
+    default token_weight averages the call's tokens: inside shard_map, each shard's).
+    Differentiable in input, linear_weight and linear_bias
     (`jax.custom_vjp`; the per-token arrays get zero cotangents); usable under `jax.jit`,
     where a target out of [0, V) that is not ignore_index gives a NaN loss instead of the
     eager call's ValueError. vocab_parallel: as for `logitless.jax.linear_log_probs` (inside
