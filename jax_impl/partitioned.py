@@ -9,8 +9,8 @@ dimension never split), and the partitioner is told:
 - rows: each device computes the rows it holds (the sharding of the first row operand's
   rows, when the number of rows divides evenly); row operands and row outputs keep it.
   Outputs without rows (a reduced loss, grad_weight, grad_bias) are each device's partial
-  sums, summed over those axes (in fp32; fp64 for fp64; a 16-bit grad_weight
-  reduce-scattered in fp32 and all-gathered in its dtype).
+  sums, summed over those axes (in fp32; fp64 for fp64; a 16-bit one reduce-scattered in
+  fp32 and all-gathered in its dtype).
 - classes: a head sharded on its vocabulary dimension over one mesh axis that the rows do
   not use (and that divides V evenly) is split there, where the loss can split its head
   (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
@@ -179,9 +179,10 @@ def _spec(factors: str, axes: Axes) -> P:
 def _sum_over(g, rows: tuple, devices: int):
     """A partial sum summed over the row axes (of `devices` devices) in fp32 (fp64 for fp64),
     back in its dtype. A narrower partial whose first dimension the devices divide (a 16-bit
-    grad_weight) is reduce-scattered in fp32, rounded, then all-gathered in its own dtype:
-    the same numbers as an fp32 all-reduce, with 3/4 of its traffic (a ring all-reduce is a
-    reduce-scatter and an all-gather, both in fp32)."""
+    grad_weight or grad_bias) is reduce-scattered in fp32, rounded, then all-gathered in its
+    own dtype: the same numbers as an fp32 all-reduce, with 3/4 of its traffic where the
+    backend gathers in that dtype (a ring all-reduce is a reduce-scatter and an all-gather,
+    both in fp32; XLA's CPU backend gathers 16-bit slices as fp32)."""
     wide = compute_dtype(g.dtype)
     if g.dtype == wide or g.ndim == 0 or g.shape[0] % devices:
         return jax.lax.psum(g.astype(wide), rows).astype(g.dtype)
