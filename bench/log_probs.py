@@ -6,7 +6,8 @@ sequences of 4096, D 4096, V 151936: a Qwen-like head), and L, G.
 - `log_probs`: `linear_log_probs`' per-token log-probabilities and entropy with random
   upstream gradients per token (what any loss of them sends back; their backward pass must
   recompute the logits). Against the naive formula on materialised bf16 logits (log_softmax
-  in fp32, gather, entropy), eager, under torch.compile and under jax.jit.
+  in fp32, gather, entropy), eager, under torch.compile and under jax.jit, and against the
+  RL trainers' own fused heads (`bench.rl_peers`: TRL's and verl's).
 - `grpo`: GRPO's loss (clipped ratio to given old log-probabilities, beta 0.04 times the KL
   to given reference ones, advantages per sequence, a mean over the tokens):
   `linear_policy_loss` against the same formula on materialised logits (eager,
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench import measure, store
+from bench import measure, rl_peers, store
 from bench.__main__ import environment
 from interop.policy_loss import PolicyLossOptions, mean_weight, token_terms
 from torch_impl import linear_log_probs, linear_policy_loss
@@ -68,8 +69,14 @@ def torch_methods(loss):
     if loss == "log_probs":
         ours = lambda s: lambda x, W, y, _: linear_log_probs(x, W, y, return_entropy=True, strategy=s)
         naive_lp = lambda x, W, y, _: naive(x, W, y)
-        return {"ours-speed": ours("speed"), "ours-memory": ours("memory"), "torch-eager": naive_lp,
-                "torch-compile": torch.compile(naive_lp)}, skipped
+        methods = {"ours-speed": ours("speed"), "ours-memory": ours("memory"), "torch-eager": naive_lp,
+                   "torch-compile": torch.compile(naive_lp)}
+        for name, peer in (("trl-chunked", rl_peers.trl_head), ("verl-fused", rl_peers.verl_head)):
+            try:
+                methods[name] = (lambda head: lambda x, W, y, _: head(x, W, y))(peer())
+            except ImportError as e:
+                skipped[name] = f"ImportError: {e}"
+        return methods, skipped
     ours = lambda s: lambda x, W, y, tok: linear_policy_loss(x, W, y, beta=GRPO.beta, strategy=s, **tok)
     methods = {"ours-speed": ours("speed"), "ours-memory": ours("memory"),
                "torch-eager": lambda x, W, y, tok: naive_grpo(x, W, y, **tok),

@@ -235,3 +235,52 @@ def test_a_method_that_raises_is_recorded_and_the_run_goes_on():
     failed = measure.record({"method": "b"}, lambda row: [][0], logged.append)
     assert ok == {"method": "a", "ms": 1.0} and failed["error"].startswith("IndexError: ")
     assert logged == [ok, failed]
+
+
+def test_rl_peers_trl_head_is_trls_function():
+    """bench.rl_peers' TRL peer: TRL's function at temperature 1, the library's numbers in fp32."""
+    import torch
+
+    from bench import rl_peers
+    from torch_impl import linear_log_probs
+
+    try:
+        head = rl_peers.trl_head()
+    except ImportError:
+        pytest.skip("this TRL has no fused LM head (TRL < 1.15)")
+    gen = torch.Generator().manual_seed(0)
+    x, W, y = torch.randn(9, 8, generator=gen), torch.randn(31, 8, generator=gen), torch.randint(0, 31, (9,))
+    for got, want in zip(head(x, W, y), linear_log_probs(x, W, y, return_entropy=True)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rl_peers_load_verls_kernel_modules_without_its_package(tmp_path, monkeypatch):
+    """bench.rl_peers' verl peer: the kernel modules of an installed verl whose package can't
+    import (its own imports Ray) load under stand-ins of verl.utils.device; none installed
+    is an ImportError naming verl, which the benchmark reports as skipped."""
+    import sys
+
+    from bench import rl_peers
+
+    for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p) / "verl").exists()])
+    with pytest.raises(ImportError, match="verl"):
+        rl_peers.verl_head()
+    kernel = tmp_path / "verl" / "utils" / "kernel"
+    kernel.mkdir(parents=True)
+    for package in (tmp_path / "verl", tmp_path / "verl" / "utils"):
+        (package / "__init__.py").write_text("raise ImportError('needs Ray')\n")
+    (kernel / "kernels.py").write_text("from verl.utils.device import get_torch_device\nDEVICE = get_torch_device()\n")
+    (kernel / "linear_cross_entropy.py").write_text(
+        "def linear_cross_entropy(hidden, weight, labels, temperature, reduction, group):\n"
+        "    from . import kernels\n"
+        "    return kernels.DEVICE, (temperature, reduction, group)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("verl", "verl.utils", "verl.utils.device", "verl.utils.kernel", "verl.utils.kernel.kernels",
+                 "verl.utils.kernel.linear_cross_entropy"):
+        monkeypatch.setitem(sys.modules, name, None)  # restored (removed) after the test
+        del sys.modules[name]
+    import torch
+
+    assert rl_peers.verl_head()(None, None, None) == (torch.cuda, (1.0, "none", None))
