@@ -284,3 +284,23 @@ def test_rl_peers_load_verls_kernel_modules_without_its_package(tmp_path, monkey
     import torch
 
     assert rl_peers.verl_head()(None, None, None) == (torch.cuda, (1.0, "none", None))
+
+
+def test_trl_step_runs_both_heads_on_cpu(tmp_path, monkeypatch):
+    """bench.trl_step on a tiny fp32 model: a row per method, the same GRPO loss from TRL's
+    head and the library's, the JSON written."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from torch_impl import trl as adapter
+
+    if not hasattr(trl_utils, adapter.TRL_HOOK):
+        pytest.skip("this TRL has no fused LM head (TRL < 1.15)")
+    monkeypatch.setattr(trl_utils, adapter.TRL_HOOK, getattr(trl_utils, adapter.TRL_HOOK))  # restored after
+    from bench import trl_step
+
+    calls, fused = [], adapter.fused_head_outputs
+    monkeypatch.setattr(adapter, "fused_head_outputs", lambda *a: calls.append(1) or fused(*a))
+    with contextlib.redirect_stdout(io.StringIO()):
+        rows = trl_step.main(["--tiny", "--rows", "2", "--seq", "16", "--repeat", "1", "--json", str(tmp_path / "s.json")])
+    assert [r["method"] for r in rows] == list(trl_step.METHODS)
+    assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-5 * abs(rows[0]["loss"]) and calls  # "ours": the library's
+    assert json.loads((tmp_path / "s.json").read_text())["results"] == rows
