@@ -82,10 +82,7 @@ def run(config: dict, methods, rows: int, seq: int, dtype, device, repeat: int, 
             return out.loss.detach()
 
         with context:
-            row = {"method": method, "rows": rows, "seq": seq, "step_ms": measure.time_ms(step, device, repeat=repeat)}
-            peak = measure.peak_extra_bytes(step, device) if device.type == "cuda" else None
-            row["peak_extra_mib"] = None if peak is None else peak / 2**20
-            row["loss"] = float(step())
+            row = {"method": method, "rows": rows, "seq": seq, **measure.step_row(step, device, repeat)}
         row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         results.append(row)
         save(results)
@@ -94,21 +91,31 @@ def run(config: dict, methods, rows: int, seq: int, dtype, device, repeat: int, 
     return results
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.compiled_model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", default=None, help=f"of {','.join(METHODS)} (default: all that import)")
-    parser.add_argument("--rows", type=int, default=2, help="sequences")
-    parser.add_argument("--seq", type=int, default=4096)
+def parse_model_arguments(parser, argv, rows: int, seq: int):
+    """The arguments of a model-step benchmark (beside the parser's own), parsed."""
+    parser.add_argument("--rows", type=int, default=rows, help="sequences")
+    parser.add_argument("--seq", type=int, default=seq)
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU runs)")
-    parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick CPU check)")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps (default 10 on GPUs, 2 on CPUs)")
     parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                         help="the model's dtype (default bfloat16 on GPUs, float32 on CPUs)")
     parser.add_argument("--json", default=None, help="rewritten after every method")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def model_device(args):
+    """(a GPU is there, the device, the model's dtype) of parsed model-step arguments."""
     gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if gpu else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if gpu else torch.float32
+    return gpu, torch.device("cuda" if gpu else "cpu"), dtype
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.compiled_model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default=None, help=f"of {','.join(METHODS)} (default: all that import)")
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick CPU check)")
+    args = parse_model_arguments(parser, argv, rows=2, seq=4096)
+    gpu, device, dtype = model_device(args)
     methods = args.methods.split(",") if args.methods else [m for m in METHODS if m != "liger" or measure.has_liger()]
     config = TINY if args.tiny else MODEL
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -76,6 +76,16 @@ def time_ms(fn, device, warmup=3, repeat=10, events=True) -> float:
     return statistics.median(times)
 
 
+def step_row(step, device, repeat: int) -> dict:
+    """A training step's figures: median ms, peak memory beyond what was in use (MiB, GPUs;
+    None elsewhere) and the loss that step() returns."""
+    row = {"step_ms": time_ms(step, device, repeat=repeat)}
+    peak = peak_extra_bytes(step, device) if device.type == "cuda" else None
+    row["peak_extra_mib"] = None if peak is None else peak / 2**20
+    row["loss"] = float(step())
+    return row
+
+
 def fwd_bwd(method, x, W, y):
     """One forward + backward; returns (loss, grad_x, grad_W)."""
     x, W = x.detach().requires_grad_(), W.detach().requires_grad_()

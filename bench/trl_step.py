@@ -21,6 +21,7 @@ import sys
 import torch
 
 from bench import measure
+from bench.compiled_model import model_device, parse_model_arguments
 from bench.fsdp_model import MODEL, TINY
 
 METHODS = ("trl", "ours")
@@ -76,10 +77,7 @@ def run(config: dict, methods, rows: int, seq: int, dtype, device, repeat: int, 
             loss.backward()
             return loss.detach()
 
-        row = {"method": method, "rows": rows, "seq": seq, "step_ms": measure.time_ms(step, device, repeat=repeat)}
-        peak = measure.peak_extra_bytes(step, device) if device.type == "cuda" else None
-        row["peak_extra_mib"] = None if peak is None else peak / 2**20
-        row["loss"] = float(step())
+        row = {"method": method, "rows": rows, "seq": seq, **measure.step_row(step, device, repeat)}
         results.append(row)
         save(results)
         print(json.dumps(row), flush=True)
@@ -90,17 +88,8 @@ def run(config: dict, methods, rows: int, seq: int, dtype, device, repeat: int, 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.trl_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--rows", type=int, default=8, help="sequences")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--tiny", action="store_true", help="a small model (CPU runs)")
-    parser.add_argument("--repeat", type=int, default=None, help="timed steps (default 10 on GPUs, 2 on CPUs)")
-    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
-                        help="the model's dtype (default bfloat16 on GPUs, float32 on CPUs)")
-    parser.add_argument("--json", default=None, help="rewritten after every method")
-    args = parser.parse_args(argv)
-    gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if gpu else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if gpu else torch.float32
+    args = parse_model_arguments(parser, argv, rows=8, seq=2048)
+    gpu, device, dtype = model_device(args)
     config = TINY if args.tiny else MODEL
     import trl
 
