@@ -68,12 +68,11 @@ def optional_shape(t):
     return None if t is None else tuple(t.shape)
 
 
-def block_steps(loss, strategy, x, vocab, dtype, accumulate, tuning, buffers=1, speed_pays=True):
-    """(plan, ops) of the block steps for the rows x [N, D] (`torch_impl.steps.plan_steps`;
-    speed_pays as for `choose_strategy`)."""
+def block_steps(loss, strategy, x, vocab, dtype, accumulate, tuning, buffers=1):
+    """(plan, ops) of the block steps for the rows x [N, D] (`torch_impl.steps.plan_steps`)."""
     n, d = x.shape
     t = tuning_from_values(tuning)
-    strategy = choose_strategy(strategy, x, n, d, vocab, t, speed_pays)
+    strategy = choose_strategy(strategy, x, n, d, vocab, t)
     return plan_steps(t, loss, strategy, n, d, vocab, dtype, accumulate, buffers)
 
 

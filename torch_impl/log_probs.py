@@ -115,7 +115,7 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
     check_target_range(y_N, shape.vocab if split is None else split.vocab, o.ignore_index)
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input  # a part: the loops gather
     plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
-    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning, speed_pays=False)
+    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning)
     plan, ops = plan_steps(tuning, "log_probs", strategy, shape.n_rows, shape.hidden, plan_vocab, x_ND.dtype,
                            accumulate_in_input_dtype, whole_vocab=None if split is None else split.vocab)
     logp, entropy, argmax = engine.apply(LogProbsCall(o, weight_layout, plan, ops, split), x_ND, linear_weight,
@@ -144,8 +144,7 @@ def _op_build(input, linear_weight, target, linear_bias, temperature, softcap, i
     o, shape = log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index,
                                  weight_layout, strategy)
     x, y = input.reshape(shape.n_rows, shape.hidden), dense(target.reshape(shape.n_rows)).to(torch.int64)
-    plan, ops = custom_ops.block_steps("log_probs", strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning,
-                                       speed_pays=False)
+    plan, ops = custom_ops.block_steps("log_probs", strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning)
     return LogProbsCall(o, weight_layout, plan, ops, None), (x, linear_weight, dense(linear_bias), y)
 
 
