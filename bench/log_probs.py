@@ -180,21 +180,32 @@ def run_jax(shapes, repeat, log, only=None, losses=LOSSES):
     methods = {"log_probs": {"jax-ours-speed": log_probs("speed"), "jax-ours-memory": log_probs("memory"),
                              "jax-naive": naive_jax},
                "grpo": {"jax-ours-speed": grpo("speed"), "jax-ours-memory": grpo("memory"), "jax-naive": naive_grpo_jax}}
-    rows = []
+    # Every torch-side input and float64 reference first, on the host: once JAX has run, its
+    # allocator keeps the GPU memory it took (a method that ran out of memory takes it all).
+    prepared = {}
     for shape in shapes:
         n, d, v = SHAPES[shape]
         xt, Wt, yt = measure.make_inputs(n, d, v, torch.bfloat16, torch.device("cuda"))
-        floor = xt.numel() * 2 + Wt.numel() * 2
-        x, W = (jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16) for t in (xt, Wt))
-        y = jnp.asarray(yt.cpu().numpy().astype(np.int32))
+        per_loss = {}
         for loss in losses:
             extra_t = _extras(loss, yt, torch.device("cuda"))
             ref = [r.float().cpu().numpy() for r in _reference(loss, xt, Wt, yt, extra_t)]
-            if loss == "grpo":
-                extra = {k: jnp.asarray(t.cpu().numpy()) for k, t in extra_t.items()}
-            else:
-                extra = tuple(jnp.asarray(t.cpu().numpy()) for t in extra_t)
-            torch.cuda.empty_cache()
+            per_loss[loss] = ({k: t.cpu().numpy() for k, t in extra_t.items()} if loss == "grpo"
+                              else tuple(t.cpu().numpy() for t in extra_t), ref)
+        prepared[shape] = ((xt.float().cpu().numpy(), Wt.float().cpu().numpy(), yt.cpu().numpy().astype(np.int32)),
+                           xt.numel() * 2 + Wt.numel() * 2, per_loss)
+        del xt, Wt, yt, extra_t, ref
+        torch.cuda.empty_cache()
+    rows = []
+    for shape in shapes:
+        n, d, v = SHAPES[shape]
+        (x_host, W_host, y_host), floor, per_loss = prepared.pop(shape)
+        x, W = (jnp.asarray(t).astype(jnp.bfloat16) for t in (x_host, W_host))
+        y = jnp.asarray(y_host)
+        for loss in losses:
+            extra_host, ref = per_loss[loss]
+            extra = ({k: jnp.asarray(t) for k, t in extra_host.items()} if loss == "grpo"
+                     else tuple(jnp.asarray(t) for t in extra_host))
             for name, fn in methods[loss].items():
                 if only is not None and name not in only:
                     continue
@@ -219,7 +230,6 @@ def run_jax(shapes, repeat, log, only=None, losses=LOSSES):
                 row = {"shape": shape, "N": n, "D": d, "V": v, "loss": loss, "framework": "jax", "method": name,
                        "dtype": "bfloat16"}
                 rows.append(measure.record(row, fill, log))
-        del xt, Wt, yt
     return rows
 
 
