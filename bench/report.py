@@ -7,7 +7,8 @@ python -m bench.report FILE.json                   # every row and column of one
 
 The README holds one section per framework between `<!-- bench.report torch -->` and
 `<!-- /bench.report torch -->` (the same with `jax`), and one for `compiled_model.json` (a
-model's step under torch.compile, written by `python -m bench.compiled_model`) and one for
+model's step under torch.compile, written by `python -m bench.compiled_model`), one for
+`trl_step.json` (a GRPO step through TRL's fused head, `python -m bench.trl_step`), one for
 `log_probs_{torch,jax}.json` (`python -m bench.log_probs`) and one for the multi-GPU runs
 (`bench.distributed_report`), each left as it is when the folder has no such file; everything
 between a pair is replaced. A check mode lets
@@ -30,6 +31,7 @@ from bench.plots import FRAMEWORKS, by_shape, write_summary_plot
 VERSIONS = {"torch": ("torch", "triton", "liger-kernel", "cut-cross-entropy"), "jax": ("jax", "jax-cce")}
 COMPILED = "compiled_model"  # the section, and its JSON's name in the results folder
 RL = "log_probs"  # the RL outputs' section (bench.log_probs), and its JSONs' loss name
+TRL_STEP = "trl_step"  # the section of bench.trl_step's run, and its JSON's name in the results folder
 
 
 def _err(r, key) -> str:
@@ -118,24 +120,41 @@ def section(path: str, data: dict) -> str:
     return caption(data, path) + "\n" + summary_table(data["results"])
 
 
+def _model(env: dict, rows: list[dict]) -> str:
+    m = env["model"]
+    return (f"a Llama-like model ({m['num_hidden_layers']} layers, D {m['hidden_size']}, V {m['vocab_size']}, "
+            f"random weights) on {env['device']}, {env['dtype']}, {rows[0]['rows']} x {rows[0]['seq']} tokens, "
+            f"{env['date'][:10]}")
+
+
+def _gib(r: dict) -> str:
+    return "-" if r.get("peak_extra_mib") is None else f"{r['peak_extra_mib'] / 1024:.2f}"
+
+
 def compiled_section(path: str, data: dict) -> str:
     """`bench.compiled_model`'s run: a caption, then one column per method (step time, peak
     memory beyond the model and the batch, the graphs Dynamo made)."""
     env, rows = data["environment"], data["results"]
-    m = env["model"]
-    text = (f"A training step of a Llama-like model ({m['num_hidden_layers']} layers, D {m['hidden_size']}, "
-            f"V {m['vocab_size']}, random weights) on {env['device']}, {env['dtype']}, {rows[0]['rows']} x "
-            f"{rows[0]['seq']} tokens, {env['date'][:10]}; torch {env['torch']} (`{path}`). `compile`: "
+    text = (f"A training step of {_model(env, rows)}; torch {env['torch']} (`{path}`). `compile`: "
             f"`torch.compile(model)`, with compile's own fusion of logits and loss; `-layers`: each decoder layer "
             f"compiled, as torchtitan does; `ours`: `patch_causal_lm`; `ours-compile`: `fullgraph=True`; "
             f"`ours-graph-break`: the loss kept out of the graph; `liger`: Liger's patch. Memory: the peak beyond "
             f"the model and the batch.\n\n")
-    gib = lambda r: "-" if r.get("peak_extra_mib") is None else f"{r['peak_extra_mib'] / 1024:.2f}"
     lines = ["| | " + " | ".join(r["method"] for r in rows) + " |", "|---|" + "---|" * len(rows),
              "| step ms | " + " | ".join(f"{r['step_ms']:.1f}" for r in rows) + " |",
-             "| peak GiB | " + " | ".join(gib(r) for r in rows) + " |",
+             "| peak GiB | " + " | ".join(_gib(r) for r in rows) + " |",
              "| graphs | " + " | ".join(str(r["graphs"]) for r in rows) + " |"]
     return text + "\n".join(lines) + "\n"
+
+
+def trl_step_section(path: str, data: dict) -> str:
+    """`bench.trl_step`'s run: one paragraph, each method's step time and peak memory."""
+    env, rows = data["environment"], data["results"]
+    methods = "; ".join(f"`{r['method']}` {r['step_ms']:.1f} ms, {_gib(r)} GiB" for r in rows)
+    return (f"A GRPO step through TRL's fused head (`add_fused_lm_head`: log-probabilities and entropy of the "
+            f"completion half of each sequence, DAPO's clipped loss, the backward pass) of {_model(env, rows)}; "
+            f"TRL {env['trl']}, torch {env['torch']} (`{path}`), `trl` TRL's own kernel, `ours` `patch_trl`, the "
+            f"step's time and its peak memory beyond the model and the batch: {methods}.\n")
 
 
 def rl_section(runs: dict[str, tuple[str, dict]]) -> str:
@@ -165,14 +184,15 @@ def rl_section(runs: dict[str, tuple[str, dict]]) -> str:
 
 def sections_of(folder: str, found: dict[str, tuple[str, dict]]) -> dict[str, str]:
     """{section name: its README text}: the frameworks' `found` (`load(folder)`), the
-    capability matrix, and the compiled model's and the RL outputs' where `folder` holds
+    capability matrix, and the compiled model's, the TRL step's and the RL outputs' where `folder` holds
     their JSON."""
     sections = {fw: section(path, data) for fw, (path, data) in found.items()}
     sections[CAPABILITIES] = capabilities_section()
-    path = os.path.join(folder, COMPILED + ".json")
-    if os.path.exists(path):
-        with open(path) as f:
-            sections[COMPILED] = compiled_section(path, json.load(f))
+    for name, make in ((COMPILED, compiled_section), (TRL_STEP, trl_step_section)):
+        path = os.path.join(folder, name + ".json")
+        if os.path.exists(path):
+            with open(path) as f:
+                sections[name] = make(path, json.load(f))
     runs = {}
     for fw in FRAMEWORKS:
         path = store.json_path(folder, RL, fw)
@@ -191,11 +211,11 @@ def rewrite(text: str, sections: dict[str, str]) -> str:
     """`text` with each section between its markers; a framework with a JSON but no markers,
     or markers but no JSON, is an error (a README that silently keeps old numbers). The
     compiled model's markers without its JSON keep their text (another command writes it)."""
-    for fw in (*FRAMEWORKS, CAPABILITIES, COMPILED, RL, DISTRIBUTED):
+    for fw in (*FRAMEWORKS, CAPABILITIES, COMPILED, TRL_STEP, RL, DISTRIBUTED):
         pattern = re.compile(rf"(<!-- bench\.report {fw} -->\n).*?(<!-- /bench\.report {fw} -->)", re.DOTALL)
         has_markers = pattern.search(text) is not None
         if has_markers and fw not in sections:
-            if fw in (COMPILED, RL, DISTRIBUTED):
+            if fw in (COMPILED, TRL_STEP, RL, DISTRIBUTED):
                 continue
             raise ValueError(f"markers for {fw} but no cross_entropy_{fw}.json")
         if fw in sections and not has_markers:
