@@ -9,6 +9,7 @@ through Inductor (on the CPU where a C++ compiler is present); on a GPU a traini
 also captured in a CUDA graph and replayed.
 """
 
+import os
 import shutil
 
 import numpy as np
@@ -119,6 +120,39 @@ def test_compiled_call_matches_float64_reference(strategy, dtype):
     np.testing.assert_allclose(float(loss), ref.loss, **tol)
     for g, r in zip(grads, (ref.grad_input, ref.grad_weight, ref.grad_bias)):
         np.testing.assert_allclose(_host(g), r, **tol)
+
+
+def test_op_names_carry_the_digest_of_the_library_sources(tmp_path):
+    """Each op is named <loss>_<digest of torch_impl's and interop's sources>, and the compiled
+    graph calls it by that name: a changed library is a new op to torch.compile's caches (an
+    Inductor FX-graph cache on disk replayed an older op's output shapes under its old name).
+    The digest changes with any byte of those sources and with nothing else."""
+    import interop
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from torch_impl import custom_ops
+
+    suffix = custom_ops.OP_SUFFIX
+    assert len(suffix) == 8 and int(suffix, 16) >= 0
+    for loss in ("linear_cross_entropy", "linear_log_probs", "linear_topk_distillation", "linear_distillation"):
+        assert hasattr(torch.ops.logitless, f"{loss}_{suffix}"), loss
+        assert hasattr(torch.ops.logitless, f"{loss}_{suffix}_backward"), loss
+    counter = CompileCounterWithBackend("aot_eager")
+    x, W = torch.randn(6, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    y = torch.randint(0, 10, (6,))
+    torch.compile(torch_impl.linear_cross_entropy, fullgraph=True, backend=counter)(x, W, y).backward()
+    called = {str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert f"logitless.linear_cross_entropy_{suffix}.default" in called, called
+    folders = []
+    for package in (torch_impl, interop):
+        folders.append(tmp_path / package.__name__)
+        shutil.copytree(os.path.dirname(package.__file__), folders[-1], ignore=shutil.ignore_patterns("__pycache__"))
+    assert custom_ops.source_digest(folders) == suffix
+    (folders[-1] / "notes.txt").write_text("not a source")
+    assert custom_ops.source_digest(folders) == suffix
+    spec = folders[-1] / "options.py"
+    spec.write_text(spec.read_text() + "\n")
+    assert custom_ops.source_digest(folders) != suffix
 
 
 def test_varying_rows_compile_once():

@@ -24,16 +24,37 @@ graph, and the outputs take the input's leading shape outside them too.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 from typing import Callable
 
 import torch
 
+import interop
 from interop.options import check_reduction
 from interop.tuning import Tuning
 from torch_impl.arguments import autocast_inputs, check_tensors, denominator
 from torch_impl.steps import choose_strategy, kernels_can_run, plan_steps
 
 _TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
+
+
+def source_digest(folders) -> str:
+    """8 hex digits of the Python sources in `folders` (names and bytes, sorted)."""
+    h = hashlib.sha1()
+    for folder in folders:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()[:8]
+
+
+# Each op's name ends in the digest of the library's sources (torch_impl, interop):
+# torch.compile's caches (Inductor's FX-graph cache on disk, which outlives an upgrade) key a
+# graph by its ops' names and schemas, not by their fake implementations, so a changed library
+# under an unchanged name could replay a graph traced with the old output shapes.
+OP_SUFFIX = source_digest((os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(interop.__file__))))
 
 
 def tuning_values(t: Tuning) -> list[float]:
@@ -123,7 +144,7 @@ def divided(loss, num_items_in_batch):
 class OpSpec:
     """What a loss gives the op layer.
 
-    name: the op's name (``logitless::<name>``, and ``<name>_backward``).
+    name: the op's name (``logitless::<name>_<OP_SUFFIX>``, and ``..._backward``).
     arguments: the schema of its arguments, as "Tensor input, Tensor linear_weight, ...".
     build(*arguments, grads) -> (Call, tensors): the eager call's checks and the loss's
         `engine.Call` over its flattened tensors, in each pass. grads: the Call's gradients
@@ -165,10 +186,10 @@ def _stored(saved, outputs) -> list:
 def define(spec: OpSpec):
     """Register spec's op pair and autograd rule; returns the forward op.
 
-    ``logitless::<name>(arguments, bool[] grads_now) -> Tensor[]``: the Call's outputs, what
+    ``logitless::<name>_<OP_SUFFIX>(arguments, bool[] grads_now) -> Tensor[]``: the Call's outputs, what
     its backward pass reads, then the gradients of the `grads_of` arguments for an upstream
     gradient of 1 where grads_now is set (empty tensors elsewhere).
-    ``<name>_backward(Tensor?[] upstream, Tensor[] saved, arguments, bool[] need)``: the
+    ``<name>_<OP_SUFFIX>_backward(Tensor?[] upstream, Tensor[] saved, arguments, bool[] need)``: the
     gradients, recomputed from the saved values (empty where `need` is not set)."""
 
     def forward(*args):
@@ -197,7 +218,7 @@ def define(spec: OpSpec):
         *args, need = args
         return _gradients(args, spec, _like(args, spec), need)
 
-    name = f"logitless::{spec.name}"
+    name = f"logitless::{spec.name}_{OP_SUFFIX}"
     op = torch.library.custom_op(name, forward, mutates_args=(),
                                  schema=f"({spec.arguments}, bool[] grads_now) -> Tensor[]")
     op.register_fake(forward_fake)

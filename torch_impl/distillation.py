@@ -107,7 +107,7 @@ def linear_topk_distillation(
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
         Gradients flow to input, linear_weight and linear_bias.
 
-    Inside torch.compile the call is the custom op ``logitless::linear_topk_distillation``
+    Inside torch.compile the call is the custom op ``logitless::linear_topk_distillation_<digest>``
     (as linear_cross_entropy's): a teacher id >= V or a bad hard target there gives a NaN
     row instead of raising; a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
     there (a graph break).
@@ -249,7 +249,7 @@ def linear_distillation(
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
 
-    Inside torch.compile the call is the custom op ``logitless::linear_distillation`` (as
+    Inside torch.compile the call is the custom op ``logitless::linear_distillation_<digest>`` (as
     linear_cross_entropy's); a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
     there (a graph break).
     """

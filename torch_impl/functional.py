@@ -204,7 +204,7 @@ def linear_cross_entropy(
     host wait for the GPU once. A bad target raises ValueError in the same call; the host
     waits for the targets' check, not for the call's work.
 
-    Inside ``torch.compile`` the call is the custom op ``logitless::linear_cross_entropy``
+    Inside ``torch.compile`` the call is the custom op ``logitless::linear_cross_entropy_<digest>``
     (`torch_impl.custom_ops`): the model compiles whole (``fullgraph=True``), once for any
     number of rows, and never waits for the GPU, so CUDA graphs can capture it. There a bad
     target gives a NaN row (and a NaN mean) instead of raising, ignored rows are computed

@@ -76,7 +76,7 @@ def linear_log_probs(
         of any function of log-probabilities and entropy flow to input, linear_weight and
         linear_bias (grad_weight accumulated as by linear_cross_entropy's strategy).
 
-    Inside torch.compile the call is the custom op ``logitless::linear_log_probs`` (as
+    Inside torch.compile the call is the custom op ``logitless::linear_log_probs_<digest>`` (as
     linear_cross_entropy's): a bad target there gives a NaN log-probability instead of
     raising; a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
     there (a graph break).
