@@ -332,6 +332,30 @@ def test_jax_memory_in_xla_blocks_matches_reference(case):
         check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{case}, {dtype}")
 
 
+@pytest.mark.parametrize("backward", ["memory", "speed"])
+def test_auto_chooses_again_in_the_backward_pass(monkeypatch, backward):
+    """An "auto" call allocates its gradient buffers in the backward pass, so it chooses its
+    strategy again there, from the memory free then: a forward pass planned as "speed" and a
+    backward as `backward` (the kernels; Triton's interpreter off a GPU) give the float64
+    reference's values and gradients. A set strategy is planned once."""
+    import torch_impl.log_probs as tlp
+    from torch_impl.steps import kernels_can_run
+
+    if not kernels_can_run(torch.zeros(1, device=default_device())):
+        pytest.skip("the kernels can't run here")
+    chosen, planned = iter(["speed", backward]), []
+    monkeypatch.setattr(tlp, "choose_strategy", lambda strategy, *a: next(chosen) if strategy == "auto" else strategy)
+    original = tlp.plan_steps
+    monkeypatch.setattr(tlp, "plan_steps", lambda t, loss, s, *a, **k: planned.append(s) or original(t, loss, s, *a, **k))
+    p, options, g_lp, g_H = _problem("T0.7-bias", "float32")
+    check(run_torch(p, options, g_lp, g_H, strategy="auto"), _reference(p, options, g_lp, g_H), "float32",
+          p.logit_scale, f"speed, then {backward}")
+    assert planned == ["speed", backward], planned
+    planned.clear()
+    run_torch(p, options, g_lp, g_H, strategy="memory")
+    assert planned == ["memory"], planned
+
+
 @pytest.mark.cuda
 def test_auto_is_speed_where_it_fits_in_pytorch(monkeypatch):
     """PyTorch's "auto" is "speed" where its blocks fit a quarter of the free memory, eager

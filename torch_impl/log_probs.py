@@ -115,11 +115,20 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
     check_target_range(y_N, shape.vocab if split is None else split.vocab, o.ignore_index)
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input  # a part: the loops gather
     plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
-    strategy = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning)
-    plan, ops = plan_steps(tuning, "log_probs", strategy, shape.n_rows, shape.hidden, plan_vocab, x_ND.dtype,
-                           accumulate_in_input_dtype, whole_vocab=None if split is None else split.vocab)
-    logp, entropy, argmax = engine.apply(LogProbsCall(o, weight_layout, plan, ops, split), x_ND, linear_weight,
-                                         dense(linear_bias), y_N)
+
+    def plan_for(x):
+        """The plan of `strategy` for the rows x; "auto" by the free memory now, the same on
+        every rank of a split."""
+        chosen = choose_strategy(strategy, x, shape.n_rows, shape.hidden, plan_vocab, tuning)
+        chosen = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x.device)
+        return plan_steps(tuning, "log_probs", chosen, shape.n_rows, shape.hidden, plan_vocab, x.dtype,
+                          accumulate_in_input_dtype, whole_vocab=None if split is None else split.vocab)
+
+    plan, ops = plan_for(x_ND)
+    # The gradient buffers are allocated in the backward pass, where "auto" chooses again: the
+    # memory free then is what they must fit (other forward passes may have run in between).
+    call = LogProbsCall(o, weight_layout, plan, ops, split, replan=plan_for if strategy == "auto" else None)
+    logp, entropy, argmax = engine.apply(call, x_ND, linear_weight, dense(linear_bias), y_N)
     return tuple(t.reshape(shape.lead_shape) for t in (logp, entropy, argmax))
 
 
