@@ -11,6 +11,9 @@ also captured in a CUDA graph and replayed.
 
 import os
 import shutil
+import subprocess
+import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -125,8 +128,9 @@ def test_compiled_call_matches_float64_reference(strategy, dtype):
 def test_op_names_carry_the_digest_of_the_library_sources(tmp_path):
     """Each op is named <loss>_<digest of torch_impl's and interop's sources>, and the compiled
     graph calls it by that name: a changed library is a new op to torch.compile's caches (an
-    Inductor FX-graph cache on disk replayed an older op's output shapes under its old name).
-    The digest changes with any byte of those sources and with nothing else."""
+    Inductor FX-graph cache on disk could replay an older op's output shapes under an unchanged
+    name). The digest changes with any byte of those sources and with nothing else, and is the
+    same when the packages are imported from a zip."""
     import interop
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -150,6 +154,15 @@ def test_op_names_carry_the_digest_of_the_library_sources(tmp_path):
     assert custom_ops.source_digest(folders) == suffix
     (folders[-1] / "notes.txt").write_text("not a source")
     assert custom_ops.source_digest(folders) == suffix
+    archive = tmp_path / "packages.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for folder in folders:
+            for path in folder.rglob("*.py"):
+                z.write(path, path.relative_to(tmp_path).as_posix())
+    zipped = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(archive)!r}); "
+                             "import torch_impl.custom_ops as c; print(c.OP_SUFFIX, c.__file__)"],
+                            capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=""))
+    assert zipped.returncode == 0 and zipped.stdout.split()[0] == suffix and ".zip" in zipped.stdout, zipped.stderr[-2000:]
     spec = folders[-1] / "options.py"
     spec.write_text(spec.read_text() + "\n")
     assert custom_ops.source_digest(folders) != suffix

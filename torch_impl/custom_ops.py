@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
+import importlib.resources
 from typing import Callable
 
 import torch
@@ -39,22 +39,23 @@ from torch_impl.steps import choose_strategy, kernels_can_run, plan_steps
 _TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
 
 
-def source_digest(folders) -> str:
-    """8 hex digits of the Python sources in `folders` (names and bytes, sorted)."""
+def source_digest(roots) -> str:
+    """8 hex digits of the Python sources under `roots` (folders as `importlib.resources`
+    Traversables or paths, which a zip import gives too): names and bytes, sorted."""
     h = hashlib.sha1()
-    for folder in folders:
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as f:
-                    h.update(name.encode() + b"\0" + f.read())
+    for root in roots:
+        for entry in sorted(root.iterdir(), key=lambda e: e.name):
+            if entry.name.endswith(".py"):
+                h.update(entry.name.encode() + b"\0" + entry.read_bytes())
     return h.hexdigest()[:8]
 
 
 # Each op's name ends in the digest of the library's sources (torch_impl, interop):
 # torch.compile's caches (Inductor's FX-graph cache on disk, which outlives an upgrade) key a
 # graph by its ops' names and schemas, not by their fake implementations, so a changed library
-# under an unchanged name could replay a graph traced with the old output shapes.
-OP_SUFFIX = source_digest((os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(interop.__file__))))
+# under an unchanged name could replay a graph traced with the old output shapes. (A graph
+# exported with torch.export names the op too: it loads with the library that exported it.)
+OP_SUFFIX = source_digest((importlib.resources.files(__package__), importlib.resources.files(interop)))
 
 
 def tuning_values(t: Tuning) -> list[float]:
