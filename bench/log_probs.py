@@ -158,6 +158,23 @@ def run_torch(shapes, device, repeat, log, only=None, losses=LOSSES):
     return rows, methods_skipped
 
 
+def _host_inputs(shape: str, losses):
+    """A shape's inputs on the host for JAX: ((x, W) fp32 arrays of bf16 values, y int32), the
+    floor in bytes, and per loss (its upstream gradients or GRPO inputs, the float64 path's
+    (grad_x, grad_W) in fp32), made by PyTorch on the GPU."""
+    n, d, v = SHAPES[shape]
+    device = torch.device("cuda")
+    x, W, y = measure.make_inputs(n, d, v, torch.bfloat16, device)
+    per_loss = {}
+    for loss in losses:
+        extra = _extras(loss, y, device)
+        ref = [r.float().cpu().numpy() for r in _reference(loss, x, W, y, extra)]
+        per_loss[loss] = ({k: t.cpu().numpy() for k, t in extra.items()} if loss == "grpo"
+                          else tuple(t.cpu().numpy() for t in extra), ref)
+    return ((x.float().cpu().numpy(), W.float().cpu().numpy(), y.cpu().numpy().astype(np.int32)),
+            x.numel() * 2 + W.numel() * 2, per_loss)
+
+
 def run_jax(shapes, repeat, log, only=None, losses=LOSSES):
     import jax
     import jax.numpy as jnp
@@ -180,22 +197,11 @@ def run_jax(shapes, repeat, log, only=None, losses=LOSSES):
     methods = {"log_probs": {"jax-ours-speed": log_probs("speed"), "jax-ours-memory": log_probs("memory"),
                              "jax-naive": naive_jax},
                "grpo": {"jax-ours-speed": grpo("speed"), "jax-ours-memory": grpo("memory"), "jax-naive": naive_grpo_jax}}
-    # Every torch-side input and float64 reference first, on the host: once JAX has run, its
-    # allocator keeps the GPU memory it took (a method that ran out of memory takes it all).
-    prepared = {}
-    for shape in shapes:
-        n, d, v = SHAPES[shape]
-        xt, Wt, yt = measure.make_inputs(n, d, v, torch.bfloat16, torch.device("cuda"))
-        per_loss = {}
-        for loss in losses:
-            extra_t = _extras(loss, yt, torch.device("cuda"))
-            ref = [r.float().cpu().numpy() for r in _reference(loss, xt, Wt, yt, extra_t)]
-            per_loss[loss] = ({k: t.cpu().numpy() for k, t in extra_t.items()} if loss == "grpo"
-                              else tuple(t.cpu().numpy() for t in extra_t), ref)
-        prepared[shape] = ((xt.float().cpu().numpy(), Wt.float().cpu().numpy(), yt.cpu().numpy().astype(np.int32)),
-                           xt.numel() * 2 + Wt.numel() * 2, per_loss)
-        del xt, Wt, yt, extra_t, ref
-        torch.cuda.empty_cache()
+    # Every torch-side input and float64 reference first, on the host (about 24 GB for RL, L
+    # and G): once JAX has run, its allocator keeps the GPU memory it took (a method that ran
+    # out of memory takes it all).
+    prepared = {shape: _host_inputs(shape, losses) for shape in shapes}
+    torch.cuda.empty_cache()
     rows = []
     for shape in shapes:
         n, d, v = SHAPES[shape]
