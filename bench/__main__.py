@@ -1,6 +1,6 @@
 """`python -m bench`: the side-by-side benchmark of linear cross-entropy implementations.
 
-On a GPU it runs the presets L, G, S for every method it can import, PyTorch and JAX; on a
+On a GPU it runs the presets L, G, S, Q for every method it can import, PyTorch and JAX; on a
 CPU it runs a small shape. Per method and shape: forward ms, fwd+bwd ms (median after
 warm-up), peak extra memory and its ratio to the floor (the gradients' bytes), loss and
 gradient errors against float64, achieved TFLOP/s (6 N D V / fwd+bwd time) next to a
@@ -24,12 +24,13 @@ import torch
 from bench import jax_methods, measure, store, torch_methods
 from bench.report import format_row
 
-TORCH_DEFAULT = ["ours-speed", "ours-memory", "ours-chunked", "torch-eager", "torch-compile", "torch-native", "liger", "cce", "cce-nofilter"]
+TORCH_DEFAULT = ["ours-speed", "ours-memory", "ours-chunked", "torch-eager", "torch-compile", "torch-native", "liger", "liger-cute", "cce",
+                 "cce-nofilter", "quack", "quack-logits"]
 JAX_DEFAULT = ["jax-ours-speed", "jax-ours-memory", "jax-naive", "jax-cce"]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-PEERS = ("liger-kernel", "cut-cross-entropy", "jax-cce")  # their versions go into the environment
+PEERS = ("liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl", "jax-cce")  # their versions go into the environment
 
 
 def environment(device) -> dict:
@@ -125,7 +126,7 @@ def run_shape(name, shape, torch_ms, jax_ms, dtype, device, data, repeat, log):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=None, help="comma-separated presets (L,G,S,cpu) or NxDxV; default L,G,S on a GPU, cpu otherwise")
+    parser.add_argument("--shapes", default=None, help="comma-separated presets (L,G,S,Q,cpu) or NxDxV; default L,G,S,Q on a GPU, cpu otherwise")
     parser.add_argument("--methods", default=None, help=f"comma-separated; default {','.join(TORCH_DEFAULT + JAX_DEFAULT)}")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--data", default="random", choices=["random", "peaked", "zipf"])
@@ -148,7 +149,7 @@ def main(argv=None):
     torch_ms, skipped = torch_methods.load([m for m in names if m in torch_methods.METHODS])
     jax_ms, jax_skipped = jax_methods.load([m for m in names if m in jax_methods.METHODS])
     skipped.update(jax_skipped)
-    shapes = parse_shapes(args.shapes or ("L,G,S" if gpu else "cpu"), args.sweep_n, args.sweep_v)
+    shapes = parse_shapes(args.shapes or ("L,G,S,Q" if gpu else "cpu"), args.sweep_n, args.sweep_v)
 
     log = lambda s: print(s, flush=True)
     env = environment(device)

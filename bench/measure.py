@@ -11,6 +11,7 @@ PRESETS = {
     "L": (16384, 4096, 128256),  # Llama-3-8B head
     "G": (8192, 2304, 256000),  # Gemma-2-2B head
     "S": (4096, 1024, 32000),
+    "Q": (4096, 4096, 128256),  # Llama-3's head at a short batch
     "cpu": (1024, 128, 16000),  # the CPU demo shape
 }
 

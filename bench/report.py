@@ -28,7 +28,7 @@ from bench.capabilities import SECTION as CAPABILITIES, capabilities_section
 from bench.distributed_report import SECTION as DISTRIBUTED, distributed_section
 from bench.plots import FRAMEWORKS, by_shape, write_summary_plot
 
-VERSIONS = {"torch": ("torch", "triton", "liger-kernel", "cut-cross-entropy"), "jax": ("jax", "jax-cce")}
+VERSIONS = {"torch": ("torch", "triton", "liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl"), "jax": ("jax", "jax-cce")}
 COMPILED = "compiled_model"  # the section, and its JSON's name in the results folder
 RL = "log_probs"  # the RL outputs' section (bench.log_probs), and its JSONs' loss name
 TRL_STEP = "trl_step"  # the section of bench.trl_step's run, and its JSON's name in the results folder

@@ -33,11 +33,27 @@ def _torch_native():
     return lambda x, W, y: F.linear_cross_entropy(x, W, y, options=options)
 
 
-def _liger():
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+def _liger(impl):
+    """Liger's fused loss with its backend named: left to choose, Liger takes its CuTe DSL
+    backend wherever `cutlass.cute` imports, so the Triton row would silently change kernels."""
+    from liger_kernel.functional import fused_linear_cross_entropy
 
-    loss = LigerFusedLinearCrossEntropyLoss()
-    return lambda x, W, y: loss(W, x, y)
+    if impl == "nvidia-cutedsl":
+        import cutlass.cute  # noqa: F401  (Liger would fall back to Triton with a warning)
+
+        if torch.cuda.get_device_capability() < (9, 0):
+            raise ImportError("Liger's CuTe DSL backend needs compute capability 9.0 or newer")
+    return lambda x, W, y: fused_linear_cross_entropy(x, W, y, impl=impl)[0]
+
+
+def _quack(chunked):
+    """QuACK (quack-kernels, CuTe DSL): its chunked linear cross-entropy, which keeps one chunk
+    of logits, or its fused cross-entropy on the whole N x V logits."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy, linear_cross_entropy_func
+
+    if chunked:
+        return lambda x, W, y: chunked_linear_cross_entropy(x, W, y)
+    return lambda x, W, y: linear_cross_entropy_func(x, W, None, y, inplace_backward=True)
 
 
 def _cce(filter_eps):
@@ -56,7 +72,10 @@ METHODS = {
     "torch-eager": lambda: _eager,
     "torch-compile": _compiled,
     "torch-native": _torch_native,
-    "liger": _liger,
+    "liger": functools.partial(_liger, "nvidia-triton"),
+    "liger-cute": functools.partial(_liger, "nvidia-cutedsl"),
+    "quack": functools.partial(_quack, True),
+    "quack-logits": functools.partial(_quack, False),
     "cce": functools.partial(_cce, "default"),
     "cce-nofilter": functools.partial(_cce, None),
 }
