@@ -48,7 +48,8 @@ def _rearrange(x, pattern):
 
 @pytest.fixture(scope="module")
 def actor_module():
-    """openrlhf.models.actor, imported alone (see the module's docstring); sys.modules restored after."""
+    """openrlhf.models.actor, imported alone (see the module's docstring); OpenRLHF's and flash-attn's
+    entries in sys.modules restored after."""
     saved = dict(sys.modules)
     root = os.path.dirname(importlib.util.find_spec("openrlhf").origin)
     for name, path in (("openrlhf", root), ("openrlhf.models", os.path.join(root, "models"))):
@@ -69,8 +70,9 @@ def actor_module():
     original = module.Actor.forward
     yield module
     module.Actor.forward = original
-    sys.modules.clear()
-    sys.modules.update(saved)
+    for name in [n for n in sys.modules if n.split(".")[0] in ("openrlhf", "flash_attn")]:
+        del sys.modules[name]
+    sys.modules.update({n: m for n, m in saved.items() if n.split(".")[0] in ("openrlhf", "flash_attn")})
 
 
 def _actor(module, packing, temperature, seed=0):
