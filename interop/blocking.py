@@ -49,6 +49,7 @@ def block_shape(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, 
         grows = narrow_accumulator and itemsize == 2 and buffers == 1 and vocab * hidden * 2 >= growth_bytes
         growth = t.narrow_speed_block_growth if grows else 1
         rows = _round_down(int(t.speed_block_elements * growth) // vocab, t.min_block)
+        rows = max(rows, _round_down(min(t.speed_min_rows, hidden), t.min_block))
         return max(1, min(n_rows, rows)), vocab
     budget = t.memory_fraction * (n_rows + vocab) * hidden * itemsize
     min_rows, min_cols = (max(t.min_block, m) for m in t.min_memory_block)
@@ -137,7 +138,8 @@ def whole_row_memory_scratch(t: Tuning, n_all: int, n_rows: int, hidden: int, vo
     blocks are the largest (`scratch_block_rows`: L 800 rows first, 352 near the end). The
     scratch plus, with gathered_rows (n_rows of n_all computed), the first block's copies
     of its x and grad_input rows stay within t.whole_row_fraction of the gradients' bytes;
-    whole rows are taken when the first block holds at least t.min_whole_rows rows."""
+    whole rows are taken when the first block holds at least t.min_whole_rows rows, or W
+    has at most t.whole_row_head_bytes."""
     if n_rows <= 0:
         return None
     budget = t.whole_row_fraction * (n_all + vocab) * hidden
@@ -147,7 +149,8 @@ def whole_row_memory_scratch(t: Tuning, n_all: int, n_rows: int, hidden: int, vo
     if scratch < vocab:
         return None
     first = scratch_block_rows(t, n_rows, hidden, vocab, scratch)
-    return scratch if first >= min(n_rows, t.min_whole_rows) else None
+    small_head = vocab * hidden * itemsize <= t.whole_row_head_bytes
+    return scratch if small_head or first >= min(n_rows, t.min_whole_rows) else None
 
 
 def whole_row_memory_block_rows(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int,

@@ -609,7 +609,7 @@ def test_forward_only_speed_blocks_take_the_accumulators_bytes():
 
     t = DEFAULT
     assert t.min_block == 128
-    assert blocking.forward_only_rows(t, 7373, 2304, 256000, 2) == 3712  # G's rows not ignored: 2 blocks (of 1024 rows: 8)
+    assert blocking.forward_only_rows(t, 7373, 2304, 256000, 2) == 3712  # G's rows not ignored: 2 blocks (of 2048 rows: 4)
     assert blocking.forward_only_rows(t, 14746, 4096, 128256, 2) == 7424  # L's: 2 blocks (of 2048 rows: 8)
     assert blocking.forward_only_rows(t, 100, 4096, 128256, 2) == 100
     for n, d, v, itemsize in [(7373, 2304, 256000, 2), (50000, 4096, 128256, 2), (50000, 1024, 32000, 4)]:

@@ -4,6 +4,7 @@ test_implementations)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -46,14 +47,16 @@ def test_every_plan_covers_the_head_and_accumulates_as_documented(shape, t):
 
 @pytest.mark.parametrize("shape", ["L", "G", "S"])
 def test_both_frameworks_take_whole_rows_for_memory_alike(shape):
-    """Cross-entropy's "memory" runs in whole rows in JAX exactly where it does in PyTorch
-    (XLA owns grad_input's buffer, so JAX's blocks may be smaller)."""
+    """Cross-entropy's "memory" runs in whole rows in JAX only where it does in PyTorch, and
+    at L and G exactly there (XLA owns grad_input's buffer, so JAX's blocks may be smaller;
+    at S, whose head is small enough for PyTorch's whole rows, they leave JAX no row)."""
     n, d, v = SHAPES[shape]
     torch_plan = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", n, d, v, 2, False)
     jax_plan = planning.plan(DEFAULT, "jax", "cross_entropy", "memory", n, d, v, 2, False)
-    assert (torch_plan.layout == "rows") == (jax_plan.layout == "rows") == (torch_plan.scratch > 0)
+    assert (torch_plan.layout == "rows") == (torch_plan.scratch > 0)
+    assert (jax_plan.layout == "rows") == (torch_plan.layout == "rows") or shape == "S"
     if jax_plan.layout == "rows":
-        assert jax_plan.rows <= torch_plan.rows
+        assert torch_plan.layout == "rows" and jax_plan.rows <= torch_plan.rows
 
 
 @pytest.mark.parametrize("shape", ["L", "G", "odd"])
@@ -88,3 +91,25 @@ def test_a_split_head_at_l_takes_one_devices_rows_and_tiles():
     assert (torch_plan.layout, torch_plan.rows, torch_plan.cols, torch_plan.scratch) == ("tiles", 2816, 8320, 0)
     narrow = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", n, d, -(-v // 32), 2, False, whole_vocab=v)
     assert (narrow.rows, narrow.cols) == (2816, 4008)
+
+
+def test_speed_takes_at_least_2048_rows_or_d():
+    """Each "speed" row block reads and writes the fp32 grad_weight accumulator: at G its
+    2^28 logits would be 1024 rows, and it takes 2048; at most D rows (a small D with a large
+    vocabulary keeps the logits block within half of the accumulator)."""
+    n, d, v = SHAPES["G"]
+    for framework in ("torch", "jax"):
+        assert planning.plan(DEFAULT, framework, "cross_entropy", "speed", n, d, v, 2, False).rows == 2048
+        assert planning.plan(DEFAULT, framework, "log_probs", "speed", n, d, v, 2, False).rows == 2048
+    assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", 8192, 512, 1_000_000, 2, False).rows == 512
+    assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", *SHAPES["L"], 2, False).rows == 2048
+
+
+def test_memory_takes_whole_rows_on_a_small_head():
+    """PyTorch's cross-entropy "memory" takes whole rows where W has at most 128 MiB (S: 65 MB,
+    first block 231 rows, under min_whole_rows), not on a 1.2 GB head of as few rows."""
+    s = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", *SHAPES["S"], 2, False)
+    assert s.layout == "rows" and s.scratch > 0 and s.cols == SHAPES["S"][2]
+    assert planning.plan(DEFAULT, "torch", "cross_entropy", "memory", 4096, 2304, 256000, 2, False).layout == "tiles"
+    big_head = dataclasses.replace(DEFAULT, whole_row_head_bytes=0)
+    assert planning.plan(big_head, "torch", "cross_entropy", "memory", *SHAPES["S"], 2, False).layout == "tiles"

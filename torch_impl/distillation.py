@@ -44,6 +44,20 @@ def _dense_checked(input, linear_weight, teacher_input, teacher_weight, target, 
     return o, shape
 
 
+def _planner(strategy, n, hidden, plan_vocab, dtype, accumulate_in_input_dtype, tuning, split, buffers=1):
+    """(choose(x) -> the strategy for the rows x, "auto" by the free memory now and the same on
+    every rank of a split; plan_for(strategy, rows, gathered) -> (plan, ops) of `rows` rows)."""
+    def choose(x):
+        chosen = choose_strategy(strategy, x, n, hidden, plan_vocab, tuning)
+        return chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x.device)
+
+    def plan_for(chosen, rows, gathered):
+        return plan_steps(tuning, "distillation", chosen, rows, hidden, plan_vocab, dtype, accumulate_in_input_dtype,
+                          buffers=buffers, gathered_rows=gathered, whole_vocab=None if split is None else split.vocab)
+
+    return choose, plan_for
+
+
 def _all_rows(loss_A, rows, n: int):
     """Per-row losses of the computed rows [A] as [N], 0 for the others (differentiable)."""
     return loss_A if rows is None else loss_A.new_zeros(n).index_copy(0, rows, loss_A)
@@ -183,18 +197,20 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
     # the classes a rank plans its blocks for: its own, or the largest rank's slice (the
     # ranks then plan the same blocks and make the same collectives)
     plan_vocab = shape.vocab if split is None else split.largest
-    chosen = choose_strategy(strategy, x_ND, n, shape.hidden, plan_vocab, tuning)
-    strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, dev)
-    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
+    choose, plan_for = _planner(strategy, n, shape.hidden, plan_vocab, input.dtype, accumulate_in_input_dtype, tuning,
+                                split)
+    chosen = choose(x_ND)
+    rows = valid_rows_only(tuning, chosen, valid, shape.hidden, plan_vocab)
     if rows is not None:  # the rows left out contribute nothing: the kernels compute only the others
         ids, logprobs, y_kernel, valid = (t.index_select(0, rows) for t in (ids, logprobs, y_kernel, valid))
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
     if split is not None:  # this rank's columns: the ids and target in its slice of the classes
         teacher, y_kernel = teacher.columns_of(first, shape.vocab), local_targets(y_kernel, first, shape.vocab)
-    plan, ops = plan_steps(tuning, "distillation", strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
-                           accumulate_in_input_dtype, gathered_rows=rows is not None,
-                           whole_vocab=None if split is None else split.vocab)
-    call = TopKCall(teacher, o, weight_layout, plan, ops, denominator(num_items_in_batch, wide, dev), rows, split)
+    fields = lambda s: dict(zip(("plan", "ops"), plan_for(s, valid.shape[0], rows is not None)))
+    call = TopKCall(teacher, o, weight_layout, **fields(chosen), num_items=denominator(num_items_in_batch, wide, dev),
+                    active=rows, split=split)
+    if strategy == "auto":
+        engine.choose_again(call, lambda x: fields(choose(x)))
     loss = engine.apply(call, x_ND, linear_weight, linear_bias, y_kernel, valid)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 
@@ -308,16 +324,17 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
     x_ND, xt_ND = input, teacher_input.detach()  # with sequence parallel the parts: the loops gather
     if rows_dim is None:
         x_ND, xt_ND = x_ND.reshape(n, shape.hidden), xt_ND.reshape(n, shape.teacher_hidden)
-    chosen = choose_strategy(strategy, x_ND, n, shape.hidden, plan_vocab, tuning)
-    strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, dev)
-    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
+    choose, plan_for = _planner(strategy, n, shape.hidden, plan_vocab, input.dtype, accumulate_in_input_dtype, tuning,
+                                split, buffers=2)
+    chosen = choose(x_ND)
+    rows = valid_rows_only(tuning, chosen, valid, shape.hidden, plan_vocab)
     if rows is not None:
         valid = valid.index_select(0, rows)
-    plan, ops = plan_steps(tuning, "distillation", strategy, valid.shape[0], shape.hidden, plan_vocab, input.dtype,
-                           accumulate_in_input_dtype, buffers=2, gathered_rows=rows is not None,
-                           whole_vocab=None if split is None else split.vocab)
-    call = DenseCall(o, weight_layout, vocab, plan, ops, denominator(num_items_in_batch, compute_dtype(input.dtype), dev),
-                     rows, split)
+    fields = lambda s: dict(zip(("plan", "ops"), plan_for(s, valid.shape[0], rows is not None)))
+    call = DenseCall(o, weight_layout, vocab, **fields(chosen),
+                     num_items=denominator(num_items_in_batch, compute_dtype(input.dtype), dev), active=rows, split=split)
+    if strategy == "auto":
+        engine.choose_again(call, lambda x: fields(choose(x)))
     loss = engine.apply(call, x_ND, linear_weight, xt_ND, teacher_weight.detach(), valid)
     return _all_rows(loss, rows, n).reshape(shape.lead_shape) if reduction == "none" else loss
 

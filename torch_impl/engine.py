@@ -24,6 +24,8 @@ grad_input is summed over the ranks in fp32.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from torch_impl.autograd import first_order_only, scale_formed
@@ -142,12 +144,23 @@ class Call:
     kernels = True  # the kernels formed the gradients (scaled by the fp32 kernel)
     message = "logitless: this loss gives first-order gradients only"
     recording = True  # autograd records the call (`apply` sets it)
+    replan = None  # (x) -> this call with its backward pass's own plan (`choose_again`)
 
     def forward(self, tensors, need):
         raise NotImplementedError
 
     def backward(self, tensors, saved, grad_outputs, need):
         raise NotImplementedError
+
+
+def choose_again(call: Call, plan_fields) -> Call:
+    """Make an "auto" call choose its strategy again in a backward pass that recomputes: the
+    gradient buffers are allocated there, and the memory free then is what they must fit
+    (other forward passes may have run in between). plan_fields(x) -> the fields of the
+    (dataclass) call that the choice sets, e.g. {"plan": ..., "ops": ...}, for the saved
+    input x. Gradients formed in the forward pass are not recomputed."""
+    call.replan = lambda x: dataclasses.replace(call, **plan_fields(x))
+    return call
 
 
 def apply(call: Call, *tensors):
@@ -192,5 +205,7 @@ class RuleFunction(torch.autograd.Function):
             grads, ctx.formed = ctx.formed, None
             return scale_formed(grads, grad_outputs[0], kernels=call.kernels)
         saved = ctx.saved_tensors
+        if call.replan is not None:
+            call = call.replan(saved[0])
         return tuple(call.backward(saved[: ctx.n_tensors], saved[ctx.n_tensors :], grad_outputs,
                                    ctx.needs_input_grad[1 : 1 + call.n_grads]))

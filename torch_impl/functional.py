@@ -332,8 +332,14 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
     # the classes a rank plans its blocks for: the whole head's, or the largest rank's slice
     # (the ranks then plan the same blocks and make the same collectives)
     plan_vocab = shape.vocab if split is None else split.largest
-    chosen = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning)
-    strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x_ND.device)
+    requested = strategy
+
+    def choose(x):
+        """The strategy for the rows x: "auto" by the free memory now, the same on every rank of a split."""
+        chosen = choose_strategy(requested, x, shape.n_rows, shape.hidden, plan_vocab, tuning)
+        return chosen if split is None or requested != "auto" else split.common_strategy(chosen, x.device)
+
+    strategy = choose(x_ND)
     if strategy == "chunked":  # block steps: the fallback
         check_target_range(y_N, shape.vocab, opts.ignore_index)
         plan, ops = plan_steps(tuning, "cross_entropy", strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
@@ -350,11 +356,13 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_ND, linear_weight, linear_bias))
-        plan = head.plan(tuning, "cross_entropy", strategy, n_active, shape.hidden, plan_vocab, x_ND.dtype,
-                         accumulate_in_input_dtype, filter_eps if split is None else None,
-                         gathered_rows=active is not None, n_all=shape.n_rows, forward_only=not needs_grad,
-                         whole_vocab=None if split is None else split.vocab)
-        call = blocked.KernelCall(opts, weight_layout, plan, return_lse, check, split)
+        plan_for = lambda chosen: head.plan(tuning, "cross_entropy", chosen, n_active, shape.hidden, plan_vocab,
+                                            x_ND.dtype, accumulate_in_input_dtype, filter_eps if split is None else None,
+                                            gathered_rows=active is not None, n_all=shape.n_rows,
+                                            forward_only=not needs_grad, whole_vocab=None if split is None else split.vocab)
+        call = blocked.KernelCall(opts, weight_layout, plan_for(strategy), return_lse, check, split)
+        if requested == "auto":
+            engine.choose_again(call, lambda x: {"plan": plan_for(choose(x))})
         loss, lse_N = engine.apply(call, x_ND, linear_weight, linear_bias, weight, y_N, active)
         if check.bad_count():
             check_target_range(y_N, shape.vocab, opts.ignore_index)

@@ -124,10 +124,9 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
         return plan_steps(tuning, "log_probs", chosen, shape.n_rows, shape.hidden, plan_vocab, x.dtype,
                           accumulate_in_input_dtype, whole_vocab=None if split is None else split.vocab)
 
-    plan, ops = plan_for(x_ND)
-    # The gradient buffers are allocated in the backward pass, where "auto" chooses again: the
-    # memory free then is what they must fit (other forward passes may have run in between).
-    call = LogProbsCall(o, weight_layout, plan, ops, split, replan=plan_for if strategy == "auto" else None)
+    call = LogProbsCall(o, weight_layout, *plan_for(x_ND), split)
+    if strategy == "auto":
+        engine.choose_again(call, lambda x: dict(zip(("plan", "ops"), plan_for(x))))
     logp, entropy, argmax = engine.apply(call, x_ND, linear_weight, dense(linear_bias), y_N)
     return tuple(t.reshape(shape.lead_shape) for t in (logp, entropy, argmax))
 

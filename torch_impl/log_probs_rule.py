@@ -16,7 +16,6 @@ mean logit, which trainers log.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -223,16 +222,13 @@ def mean_logits(x, W, b_V, o: LogProbsOptions, layout: str, plan: BlockPlan):
 @dataclasses.dataclass
 class LogProbsCall(engine.Call):
     """`forward` and `backward` on tensors (x [N, D], W, b, y [N] int64); outputs
-    (log-probabilities, entropy, argmax). replan(x) -> (plan, ops): the backward pass's own
-    plan (an "auto" call chooses again when its gradient buffers are allocated), or None:
-    the forward pass's."""
+    (log-probabilities, entropy, argmax)."""
 
     o: LogProbsOptions
     layout: str
     plan: BlockPlan
     ops: type
     split: VocabSplit | None
-    replan: Callable | None = None
     non_differentiable = (2,)
     message = SECOND_ORDER_MESSAGE
 
@@ -244,5 +240,5 @@ class LogProbsCall(engine.Call):
         return (logp, entropy, argmax), (lse, entropy), None
 
     def backward(self, tensors, saved, grad_outputs, need):
-        plan, ops = (self.plan, self.ops) if self.replan is None else self.replan(tensors[0])
-        return backward(*grad_outputs[:2], *tensors, *saved, self.o, self.layout, plan, ops, need, split=self.split)
+        return backward(*grad_outputs[:2], *tensors, *saved, self.o, self.layout, self.plan, self.ops, need,
+                        split=self.split)

@@ -1,0 +1,103 @@
+"""What the PyTorch engine does for every loss: an "auto" call chooses its strategy again in
+a backward pass that recomputes (where its gradient buffers are allocated), for
+cross-entropy with lse returned and top-K distillation per row as for log-probabilities
+(tests/test_log_probs.py); a set strategy is planned once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.frameworks import device
+
+
+def _kernels_or_skip():
+    from torch_impl.steps import kernels_can_run
+
+    if not kernels_can_run(torch.zeros(1, device=device())):
+        pytest.skip("the kernels can't run here")
+
+
+def _spy(monkeypatch, module, chosen, planned, planner, strategy_at):
+    """module.choose_strategy gives "auto" the strategies `chosen` in turn; the strategy of
+    every call of module's `planner` is appended to `planned`."""
+    monkeypatch.setattr(module, "choose_strategy", lambda strategy, *a: next(chosen) if strategy == "auto" else strategy)
+    owner, name = planner
+    original = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        planned.append(args[strategy_at])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+
+
+def _inputs(n=37, d=24, v=301, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    W = torch.randn(v, d, generator=g, dtype=torch.float64) / 2
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::5] = -100
+    return x, W, y, g
+
+
+def _grads(fn, x, W, *upstream):
+    xx, WW = (t.to(device(), torch.float32).requires_grad_() for t in (x, W))
+    outputs = fn(xx, WW)
+    sum(((o.double() * u.to(o.device)).sum() for o, u in zip(outputs, upstream))).backward()
+    return [o.detach().double().cpu() for o in outputs] + [xx.grad.double().cpu(), WW.grad.double().cpu()]
+
+
+def _close(got, want):
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backward", ["memory", "speed"])
+def test_cross_entropy_with_lse_chooses_again_in_the_backward_pass(monkeypatch, backward):
+    import torch_impl.functional as functional
+    import torch_impl.head as head
+    from torch_impl import linear_cross_entropy
+
+    _kernels_or_skip()
+    x, W, y, g = _inputs()
+    upstream = (torch.tensor(0.7, dtype=torch.float64), torch.randn(y.shape[0], generator=g, dtype=torch.float64))
+    valid = y != -100
+    logits = x @ W.T
+    lse = torch.logsumexp(logits, -1)
+    xx, WW = x.clone().requires_grad_(), W.clone().requires_grad_()
+    z = xx @ WW.T
+    l_ref = torch.logsumexp(z, -1)
+    loss_ref = (l_ref - z.gather(1, y.clamp(min=0)[:, None])[:, 0])[valid].mean()
+    (loss_ref * upstream[0] + (l_ref * upstream[1]).sum()).backward()
+    want = [loss_ref.detach(), lse, xx.grad, WW.grad]
+
+    chosen, planned = iter(["speed", backward]), []
+    _spy(monkeypatch, functional, chosen, planned, (head, "plan"), 2)
+    call = lambda a, b: linear_cross_entropy(a, b, y.to(a.device), return_lse=True, strategy="auto")
+    _close(_grads(call, x, W, *upstream), want)
+    assert planned == ["speed", backward], planned
+    planned.clear()
+    _close(_grads(lambda a, b: linear_cross_entropy(a, b, y.to(a.device), return_lse=True, strategy="memory"), x, W,
+                  *upstream), want)
+    assert planned == ["memory"], planned
+
+
+@pytest.mark.parametrize("backward", ["memory", "speed"])
+def test_topk_distillation_per_row_chooses_again_in_the_backward_pass(monkeypatch, backward):
+    import torch_impl.distillation as distillation
+    from torch_impl import linear_topk_distillation
+
+    _kernels_or_skip()
+    x, W, y, g = _inputs()
+    ids = torch.stack([torch.randperm(W.shape[0], generator=g)[:4] for _ in range(x.shape[0])])
+    teacher = torch.log_softmax(torch.randn(ids.shape, generator=g, dtype=torch.float64), -1)
+    upstream = (torch.randn(x.shape[0], generator=g, dtype=torch.float64),)
+    run = lambda strategy: lambda a, b: (linear_topk_distillation(
+        a, b, ids.to(a.device), teacher.float().to(a.device), reduction="none", strategy=strategy),)
+    want = _grads(run("memory"), x, W, *upstream)
+
+    chosen, planned = iter(["speed", backward]), []
+    _spy(monkeypatch, distillation, chosen, planned, (distillation, "plan_steps"), 2)
+    _close(_grads(run("auto"), x, W, *upstream), want)
+    assert planned == ["speed", backward], planned
