@@ -96,13 +96,14 @@ def caption(data: dict, path: str) -> str:
     dtypes = ", ".join(sorted({r["dtype"] for r in data["results"]}))
     shapes = "; ".join(f"{s} = {rows[0]['N']} x {rows[0]['D']} x {rows[0]['V']}" for s, rows in by_shape(data["results"]).items())
     skipped = "; ".join(f"{m} ({why})" for m, why in data["skipped"].items()) or "none"
+    note = f" {data['note']}" if data.get("note") else ""  # how the rows were gathered, when from several runs
     unmeasured = sorted({r["method"] for r in data["results"] if "error" not in r and r.get("grad_x_err") is None})
     no_errors = (f"; {', '.join(unmeasured)}: no ignore_index, so given targets with -100 replaced by 0 and no "
                  f"errors shown" if unmeasured else "")
     return (f"{FRAMEWORKS[data['framework']]} on {env['device']}, {dtypes}, {data['data']} data, {env['date'][:10]}; "
             f"{versions} (`{path}`). N x D x V: {shapes}. x fastest peer: fwd+bwd time over the fastest "
             f"non-ours method's at that shape; x floor: peak memory beyond the inputs over the bytes of grad_input + "
-            f"grad_weight; errors relative to float64{no_errors}. Skipped: {skipped}.\n")
+            f"grad_weight; errors relative to float64{no_errors}. Skipped: {skipped}.{note}\n")
 
 
 def load(folder: str) -> dict[str, tuple[str, dict]]:

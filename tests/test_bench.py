@@ -130,7 +130,7 @@ def test_committed_results_render_and_readme_matches(tmp_path, capsys, monkeypat
     found = report.load("bench/results")
     assert set(found) == {"torch", "jax"}
     for _, data in found.values():
-        assert {r["shape"] for r in data["results"]} == {"L", "G", "S"} and data["environment"]["device"] in printed
+        assert {r["shape"] for r in data["results"]} == {"L", "G", "S", "Q"} and data["environment"]["device"] in printed
     sections = re.findall(r"<!-- bench\.report \w+ -->\n(.*?)<!-- /bench\.report", Path("README.md").read_text(), re.DOTALL)
     assert len(sections) == 7 and all(sections), "README.md lacks its tables: python -m bench.report --readme README.md"
     assert report.main(["--readme", "README.md", "--check"]) == 0, "run python -m bench.report --readme README.md"
