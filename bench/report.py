@@ -168,7 +168,8 @@ def rl_section(runs: dict[str, tuple[str, dict]]) -> str:
     dims = {r["shape"]: f"{r['N']} x {r['D']} x {r['V']}" for r in rows}
     text = (f"On {env['device']}, bf16, random data, {env['date'][:10]} ({paths}). Each cell: fwd+bwd ms of "
             f"log-probabilities + entropy (random upstream gradients) / of GRPO's loss (clipped ratio, KL to a "
-            f"reference, beta 0.04), then the peak memory beyond the inputs over the floor of each.\n\n")
+            f"reference, beta 0.04), then the peak memory beyond the inputs over the floor of each."
+            + "".join(f" {data['note']}" for _, data in runs.values() if data.get("note")) + "\n\n")
     lines = ["| method | " + " | ".join(f"{s} ({dims[s]})" for s in shapes) + " |", "|---|" + "---|" * len(shapes)]
     got = lambda r, key, fmt: "-" if r is None or "error" in r else format(r[key], fmt)
     for fw, (_, data) in runs.items():
