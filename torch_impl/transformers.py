@@ -360,9 +360,6 @@ def _linear_head(model: nn.Module, head: nn.Module) -> nn.Linear:
             "computation would be left out; merge an adapter into the weight first (peft's merge_and_unload) or keep "
             "lm_head out of its target modules"
         )
-    if hasattr(head.weight, "ds_status"):  # DeepSpeed ZeRO-3 gathers it around the head's call only
-        raise TypeError(f"{type(model).__name__}: DeepSpeed ZeRO-3 partitions lm_head.weight, and the fused loss reads "
-                        "it outside the head's call, where ZeRO-3 has released it: use ZeRO-1/2 or FSDP2")
     return head
 
 
