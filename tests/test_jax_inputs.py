@@ -145,7 +145,8 @@ def test_16bit_gradients_as_accurate_as_naive(strategy, dtype, logit_scale):
     recomputed logits give 21 times naive bf16's error at |z| ~ 300)."""
     tuning = DEFAULT
     if strategy == "memory-kernel-products":  # blocks of rows and columns, products by row_products' kernels
-        tuning = Tuning(min_block=4, min_memory_block=(4, 4), xla_memory_cols=8, xla_gemm_workspace=0, xla_row_bytes=0)
+        tuning = Tuning(min_block=4, min_memory_block=(4, 4), xla_memory_cols=8, xla_gemm_workspace=0, xla_row_bytes=0,
+                        whole_row_head_bytes=0)
     p = make_problem(34, lead=(48,), hidden=16, vocab=160, dtype=dtype, logit_scale=logit_scale)
     ref = reference(p, {}, np.asarray(1.0), None)
     result = JaxAdapter(strategy.split("-")[0], tuning).run(p, {}, np.asarray(1.0), None, wrt=("x", "W"))
