@@ -43,7 +43,8 @@ def block_shape(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, 
     "speed" accumulates grad_weight in a 16-bit input dtype (t.narrow_speed_block_growth,
     when the bytes it saves over fp32 cover the growth).
     "speed" keeps its rows for two buffers: halving them for a dense teacher saves less
-    memory than it costs time."""
+    memory than it costs time. Its blocks hold at least min(t.speed_min_rows, D) rows (rounded
+    down to t.min_block)."""
     if strategy == "speed":
         growth_bytes = t.speed_block_elements * (t.narrow_speed_block_growth - 1) * itemsize
         grows = narrow_accumulator and itemsize == 2 and buffers == 1 and vocab * hidden * 2 >= growth_bytes
@@ -138,8 +139,8 @@ def whole_row_memory_scratch(t: Tuning, n_all: int, n_rows: int, hidden: int, vo
     blocks are the largest (`scratch_block_rows`: L 800 rows first, 352 near the end). The
     scratch plus, with gathered_rows (n_rows of n_all computed), the first block's copies
     of its x and grad_input rows stay within t.whole_row_fraction of the gradients' bytes;
-    whole rows are taken when the first block holds at least t.min_whole_rows rows, or W
-    has at most t.whole_row_head_bytes."""
+    whole rows are taken when the first block holds at least t.min_whole_rows rows, or
+    t.min_small_head_rows where W has at most t.whole_row_head_bytes."""
     if n_rows <= 0:
         return None
     budget = t.whole_row_fraction * (n_all + vocab) * hidden
@@ -150,7 +151,8 @@ def whole_row_memory_scratch(t: Tuning, n_all: int, n_rows: int, hidden: int, vo
         return None
     first = scratch_block_rows(t, n_rows, hidden, vocab, scratch)
     small_head = vocab * hidden * itemsize <= t.whole_row_head_bytes
-    return scratch if small_head or first >= min(n_rows, t.min_whole_rows) else None
+    least = t.min_small_head_rows if small_head else t.min_whole_rows
+    return scratch if first >= min(n_rows, least) else None
 
 
 def whole_row_memory_block_rows(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int,

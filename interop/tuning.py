@@ -21,12 +21,12 @@ class Tuning:
 
     # "speed": logits per block of whole rows (512 MiB in bf16). Larger blocks make fewer
     # passes over an fp32 grad_weight accumulator; this size keeps the block below half of W
-    # at the Llama-3 and Gemma-2 heads.
+    # at the Llama-3 head.
     speed_block_elements: int = 1 << 28
-    # ... and at least this many rows, or D: each row block reads and writes that fp32
-    # accumulator (8 V D bytes), which below 2048 rows costs over a seventh of the block's
-    # products (H100, G: 1024-row blocks 54.8 ms, 2048 rows 47.0); at most D rows keep the
-    # logits block within half of the accumulator.
+    # ... and at least this many rows, or D (rounded down to min_block): each row block reads
+    # and writes that fp32 accumulator (8 V D bytes), which below 2048 rows costs over a
+    # seventh of the block's products (H100, G: 1024-row blocks 54.8 ms, 2048 rows 47.0); at
+    # most D rows keep one 16-bit logits block within half of the accumulator.
     speed_min_rows: int = 2048
     # "speed" with a 16-bit grad_weight accumulator: the block grows by this factor when the
     # V D 2 bytes an fp32 accumulator would have held pay for the growth (fewer passes).
@@ -44,6 +44,9 @@ class Tuning:
     # host time per tile at small N (H100, S: tiles 12.8 ms, whole rows 7.2; 8192 x 768 x
     # 50257: 32.3 and 31.5; a 1.2 GB head, 4096 x 2304 x 256000: tiles 32.1, whole 42.9).
     whole_row_head_bytes: int = 1 << 27
+    # ... if its first block still holds this many rows (S: 231; thinner blocks re-read W more
+    # often than the tiles they replace, and were not measured).
+    min_small_head_rows: int = 192
     # ... its blocks a multiple of this many rows (aligned products).
     whole_row_align: int = 32
     # JAX's fixed row blocks end in a block of at least this many rows: XLA splits a thin

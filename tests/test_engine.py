@@ -101,3 +101,50 @@ def test_topk_distillation_per_row_chooses_again_in_the_backward_pass(monkeypatc
     _spy(monkeypatch, distillation, chosen, planned, (distillation, "plan_steps"), 2)
     _close(_grads(run("auto"), x, W, *upstream), want)
     assert planned == ["speed", backward], planned
+
+
+def test_a_call_that_chooses_again_keeps_no_input_alive(monkeypatch):
+    """The backward pass's plan holds values, not the call's tensors, and not the call (a
+    cycle): the hidden states are freed once the graph is, without the garbage collector."""
+    import gc
+    import weakref
+
+    import torch_impl.functional as functional
+    from torch_impl import linear_cross_entropy
+
+    _kernels_or_skip()
+    monkeypatch.setattr(functional, "choose_strategy", lambda strategy, *a: "speed" if strategy == "auto" else strategy)
+    x, W, y, _ = _inputs()
+    a = x.to(device(), torch.float32).requires_grad_()
+    h = a * 2  # an intermediate, as a model's last hidden states
+    alive = weakref.ref(h)
+    gc.disable()
+    try:
+        loss, lse = linear_cross_entropy(h, W.to(device(), torch.float32), y.to(device()), return_lse=True,
+                                         strategy="auto")
+        (loss + lse.sum()).backward()
+        del h, loss, lse
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_policy_loss_chooses_again_in_the_backward_pass(monkeypatch):
+    """GRPO's loss planned "memory" (the backward pass recomputes) chooses "speed" there: the
+    same loss and gradients as a call planned "memory" throughout."""
+    import torch_impl.policy_loss as policy_loss
+    from torch_impl import linear_policy_loss
+
+    _kernels_or_skip()
+    x, W, y, g = _inputs()
+    advantages = torch.randn(x.shape[0], generator=g, dtype=torch.float64)
+    old = -torch.rand(x.shape[0], generator=g, dtype=torch.float64) * 3
+    run = lambda strategy: lambda a, b: (linear_policy_loss(
+        a, b, y.to(a.device), advantages.float().to(a.device), old_log_probs=old.float().to(a.device), beta=0.0,
+        strategy=strategy),)
+    upstream = (torch.tensor(0.7, dtype=torch.float64),)
+    want = _grads(run("memory"), x, W, *upstream)
+    chosen, planned = iter(["memory", "speed"]), []
+    _spy(monkeypatch, policy_loss, chosen, planned, (policy_loss, "plan_steps"), 2)
+    _close(_grads(run("auto"), x, W, *upstream), want)
+    assert planned == ["memory", "speed"], planned

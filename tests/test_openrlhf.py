@@ -48,8 +48,8 @@ def _rearrange(x, pattern):
 
 @pytest.fixture(scope="module")
 def actor_module():
-    """openrlhf.models.actor, imported alone (see the module's docstring); OpenRLHF's and flash-attn's
-    entries in sys.modules restored after."""
+    """openrlhf.models.actor, imported alone (see the module's docstring); OpenRLHF's entries in
+    sys.modules (and flash-attn's, where they are stubs) restored after."""
     saved = dict(sys.modules)
     root = os.path.dirname(importlib.util.find_spec("openrlhf").origin)
     for name, path in (("openrlhf", root), ("openrlhf.models", os.path.join(root, "models"))):
@@ -60,7 +60,8 @@ def actor_module():
     helpers = {"flash_attn.bert_padding": {"unpad_input": _unpad_input, "pad_input": _pad_input,
                                            "index_first_axis": lambda x, i: x[i], "rearrange": _rearrange},
                "flash_attn.utils.distributed": {"all_gather": None}, "flash_attn": {}, "flash_attn.utils": {}}
-    if importlib.util.find_spec("flash_attn") is None:
+    stubs = importlib.util.find_spec("flash_attn") is None
+    if stubs:
         for name, attributes in helpers.items():
             module = types.ModuleType(name)
             module.__spec__ = importlib.machinery.ModuleSpec(name, None)
@@ -70,9 +71,10 @@ def actor_module():
     original = module.Actor.forward
     yield module
     module.Actor.forward = original
-    for name in [n for n in sys.modules if n.split(".")[0] in ("openrlhf", "flash_attn")]:
+    ours = ("openrlhf", "flash_attn") if stubs else ("openrlhf",)  # a real flash-attn stays imported
+    for name in [n for n in sys.modules if n.split(".")[0] in ours]:
         del sys.modules[name]
-    sys.modules.update({n: m for n, m in saved.items() if n.split(".")[0] in ("openrlhf", "flash_attn")})
+    sys.modules.update({n: m for n, m in saved.items() if n.split(".")[0] in ours})
 
 
 def _actor(module, packing, temperature, seed=0):
@@ -116,8 +118,11 @@ def test_the_patched_actor_gives_openrlhfs_log_probs_entropy_and_gradients(actor
     sequences, attention_mask, action_mask = _batch()
     actor = _actor(actor_module, packing, temperature=0.7)
     want = _run(actor, sequences, attention_mask, action_mask)
+    original = actor_module.Actor.forward
     adapter.patch_openrlhf()
+    patched = actor_module.Actor.forward
     adapter.patch_openrlhf()  # a second call changes nothing
+    assert actor_module.Actor.forward is patched and getattr(patched, adapter._ORIGINAL) is original
     try:
         got = _run(actor, sequences, attention_mask, action_mask)
     finally:
@@ -128,6 +133,23 @@ def test_the_patched_actor_gives_openrlhfs_log_probs_entropy_and_gradients(actor
     assert got[2].logits is None and want[2].logits is not None
     for name, grad in want[3].items():
         torch.testing.assert_close(got[3][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_log_probs_of_every_position_as_openrlhfs(actor_module, packing):
+    """return_logprobs=True without an action mask (OpenRLHF's SFT and DPO trainers): every
+    position's log-probability, as OpenRLHF's own forward gives it."""
+    sequences, attention_mask, _ = _batch()
+    actor = _actor(actor_module, packing, temperature=1.0)
+    with torch.no_grad():
+        want = actor(sequences, attention_mask=attention_mask, return_logprobs=True)
+        adapter.patch_openrlhf()
+        try:
+            got = actor(sequences, attention_mask=attention_mask, return_logprobs=True)
+        finally:
+            actor_module.Actor.forward = getattr(actor_module.Actor.forward, adapter._ORIGINAL)
+    assert got.shape == want.shape == (sequences.shape[0], sequences.shape[1] - 1)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
 
 
 def test_only_the_actions_reach_the_head(actor_module, monkeypatch):

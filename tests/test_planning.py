@@ -106,10 +106,13 @@ def test_speed_takes_at_least_2048_rows_or_d():
 
 
 def test_memory_takes_whole_rows_on_a_small_head():
-    """PyTorch's cross-entropy "memory" takes whole rows where W has at most 128 MiB (S: 65 MB,
-    first block 231 rows, under min_whole_rows), not on a 1.2 GB head of as few rows."""
+    """PyTorch's cross-entropy "memory" takes whole rows where W has at most 128 MiB and the first
+    block holds at least 192 rows (S: 65 MB, 231 rows, under min_whole_rows), not on a 1.2 GB head
+    of as few rows, nor on a small head of thin blocks."""
     s = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", *SHAPES["S"], 2, False)
     assert s.layout == "rows" and s.scratch > 0 and s.cols == SHAPES["S"][2]
     assert planning.plan(DEFAULT, "torch", "cross_entropy", "memory", 4096, 2304, 256000, 2, False).layout == "tiles"
+    thin = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", 4096, 256, 32000, 2, False)
+    assert thin.layout == "tiles"  # its first whole-row block would hold 32 rows, under min_small_head_rows
     big_head = dataclasses.replace(DEFAULT, whole_row_head_bytes=0)
     assert planning.plan(big_head, "torch", "cross_entropy", "memory", *SHAPES["S"], 2, False).layout == "tiles"

@@ -206,7 +206,8 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
     teacher = TopKTeacher(ids, logprobs, o.renormalize_teacher, wide)
     if split is not None:  # this rank's columns: the ids and target in its slice of the classes
         teacher, y_kernel = teacher.columns_of(first, shape.vocab), local_targets(y_kernel, first, shape.vocab)
-    fields = lambda s: dict(zip(("plan", "ops"), plan_for(s, valid.shape[0], rows is not None)))
+    n_kept, gathered = valid.shape[0], rows is not None  # values: the backward pass's replan holds no tensor
+    fields = lambda s: dict(zip(("plan", "ops"), plan_for(s, n_kept, gathered)))
     call = TopKCall(teacher, o, weight_layout, **fields(chosen), num_items=denominator(num_items_in_batch, wide, dev),
                     active=rows, split=split)
     if strategy == "auto":
@@ -330,7 +331,8 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
     rows = valid_rows_only(tuning, chosen, valid, shape.hidden, plan_vocab)
     if rows is not None:
         valid = valid.index_select(0, rows)
-    fields = lambda s: dict(zip(("plan", "ops"), plan_for(s, valid.shape[0], rows is not None)))
+    n_kept, gathered = valid.shape[0], rows is not None  # values: the backward pass's replan holds no tensor
+    fields = lambda s: dict(zip(("plan", "ops"), plan_for(s, n_kept, gathered)))
     call = DenseCall(o, weight_layout, vocab, **fields(chosen),
                      num_items=denominator(num_items_in_batch, compute_dtype(input.dtype), dev), active=rows, split=split)
     if strategy == "auto":

@@ -144,7 +144,7 @@ class Call:
     kernels = True  # the kernels formed the gradients (scaled by the fp32 kernel)
     message = "logitless: this loss gives first-order gradients only"
     recording = True  # autograd records the call (`apply` sets it)
-    replan = None  # (x) -> this call with its backward pass's own plan (`choose_again`)
+    replan = None  # (x) -> the fields of the backward pass's own plan (`choose_again`)
 
     def forward(self, tensors, need):
         raise NotImplementedError
@@ -158,8 +158,9 @@ def choose_again(call: Call, plan_fields) -> Call:
     gradient buffers are allocated there, and the memory free then is what they must fit
     (other forward passes may have run in between). plan_fields(x) -> the fields of the
     (dataclass) call that the choice sets, e.g. {"plan": ..., "ops": ...}, for the saved
-    input x. Gradients formed in the forward pass are not recomputed."""
-    call.replan = lambda x: dataclasses.replace(call, **plan_fields(x))
+    input x. Gradients formed in the forward pass are not recomputed. plan_fields must hold no
+    tensor of the call (it lives as long as the graph) and not the call itself (a cycle)."""
+    call.replan = plan_fields
     return call
 
 
@@ -205,7 +206,7 @@ class RuleFunction(torch.autograd.Function):
             grads, ctx.formed = ctx.formed, None
             return scale_formed(grads, grad_outputs[0], kernels=call.kernels)
         saved = ctx.saved_tensors
-        if call.replan is not None:
-            call = call.replan(saved[0])
+        if call.replan is not None:  # the copy's replan is the class's None
+            call = dataclasses.replace(call, **call.replan(saved[0]))
         return tuple(call.backward(saved[: ctx.n_tensors], saved[ctx.n_tensors :], grad_outputs,
                                    ctx.needs_input_grad[1 : 1 + call.n_grads]))

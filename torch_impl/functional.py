@@ -356,10 +356,11 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None
         n_active = shape.n_rows if active is None else active.shape[0]
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_ND, linear_weight, linear_bias))
-        plan_for = lambda chosen: head.plan(tuning, "cross_entropy", chosen, n_active, shape.hidden, plan_vocab,
-                                            x_ND.dtype, accumulate_in_input_dtype, filter_eps if split is None else None,
-                                            gathered_rows=active is not None, n_all=shape.n_rows,
-                                            forward_only=not needs_grad, whole_vocab=None if split is None else split.vocab)
+        dtype, gathered = x_ND.dtype, active is not None  # values: the backward pass's replan holds no tensor
+        plan_for = lambda chosen: head.plan(tuning, "cross_entropy", chosen, n_active, shape.hidden, plan_vocab, dtype,
+                                            accumulate_in_input_dtype, filter_eps if split is None else None,
+                                            gathered_rows=gathered, n_all=shape.n_rows, forward_only=not needs_grad,
+                                            whole_vocab=None if split is None else split.vocab)
         call = blocked.KernelCall(opts, weight_layout, plan_for(strategy), return_lse, check, split)
         if requested == "auto":
             engine.choose_again(call, lambda x: {"plan": plan_for(choose(x))})

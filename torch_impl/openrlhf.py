@@ -5,7 +5,9 @@ log-prob mode (`torch_impl.transformers`) instead of from fp32 [B, T, V] logits.
 OpenRLHF's forward (0.11) runs the model for the logits, casts them to fp32, divides them by
 the actor's ``temperature``, takes log p(next token) and, with ``return_entropy``, the
 entropy of every position, and keeps the last ``action_mask.shape[1]`` positions times the
-action mask. Patched, the same call returns the same tensors (fp32) without the logits:
+action mask. Patched, the same call returns the same tensors (fp32) without the logits (from
+a 16-bit model, closer to the exact ones: OpenRLHF rounds its logits to the model's dtype
+before their fp32 cast):
 
 - padded batches: with an ``action_mask`` only the positions whose next token is an action
   (mask 1) reach the head; with ``return_logprobs`` alone, every position. The

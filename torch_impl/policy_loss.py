@@ -311,16 +311,23 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
     if tokens["token_weight"] is None:
         tokens["token_weight"] = mean_weight(torch, valid, torch.zeros(valid.shape, dtype=wide, device=valid.device))
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input  # a part: the loops gather
-    chosen = choose_strategy(strategy, x_ND, shape.n_rows, shape.hidden, plan_vocab, tuning)
-    strategy = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x_ND.device)
-    rows = valid_rows_only(tuning, strategy, valid, shape.hidden, plan_vocab)
+    def choose(x):
+        """The strategy for the rows x: "auto" by the free memory now, the same on every rank of a split."""
+        chosen = choose_strategy(strategy, x, shape.n_rows, shape.hidden, plan_vocab, tuning)
+        return chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x.device)
+
+    chosen = choose(x_ND)
+    rows = valid_rows_only(tuning, chosen, valid, shape.hidden, plan_vocab)
     every_row = tokens
     if rows is not None:  # an ignored token adds nothing: the kernels compute only the others
         y_N, tokens = y_N[rows], {k: None if v is None else v[rows] for k, v in tokens.items()}
-    plan, ops = plan_steps(tuning, "log_probs", strategy, y_N.shape[0], shape.hidden, plan_vocab, x_ND.dtype,
-                           accumulate_in_input_dtype, gathered_rows=rows is not None,
-                           whole_vocab=None if split is None else split.vocab)
-    call = PolicyCall(o, head, weight_layout, plan, ops, rows, split)
+    n_kept, gathered, dtype = y_N.shape[0], rows is not None, x_ND.dtype  # values: the replan holds no tensor
+    fields = lambda s: dict(zip(("plan", "ops"), plan_steps(
+        tuning, "log_probs", s, n_kept, shape.hidden, plan_vocab, dtype, accumulate_in_input_dtype,
+        gathered_rows=gathered, whole_vocab=None if split is None else split.vocab)))
+    call = PolicyCall(o, head, weight_layout, **fields(chosen), active=rows, split=split)
+    if strategy == "auto":
+        engine.choose_again(call, lambda x: fields(choose(x)))
     loss, logp, entropy = engine.apply(call, x_ND, linear_weight, dense(linear_bias), y_N,
                                        *(tokens[k] for k in TOKEN_ARGUMENTS))
     if not return_stats:
