@@ -48,8 +48,7 @@ def _planner(strategy, n, hidden, plan_vocab, dtype, accumulate_in_input_dtype, 
     """(choose(x) -> the strategy for the rows x, "auto" by the free memory now and the same on
     every rank of a split; plan_for(strategy, rows, gathered) -> (plan, ops) of `rows` rows)."""
     def choose(x):
-        chosen = choose_strategy(strategy, x, n, hidden, plan_vocab, tuning)
-        return chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x.device)
+        return choose_strategy(strategy, x, n, hidden, plan_vocab, tuning, split)
 
     def plan_for(chosen, rows, gathered):
         return plan_steps(tuning, "distillation", chosen, rows, hidden, plan_vocab, dtype, accumulate_in_input_dtype,

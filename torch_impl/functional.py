@@ -333,12 +333,7 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
     # (the ranks then plan the same blocks and make the same collectives)
     plan_vocab = shape.vocab if split is None else split.largest
     requested = strategy
-
-    def choose(x):
-        """The strategy for the rows x: "auto" by the free memory now, the same on every rank of a split."""
-        chosen = choose_strategy(requested, x, shape.n_rows, shape.hidden, plan_vocab, tuning)
-        return chosen if split is None or requested != "auto" else split.common_strategy(chosen, x.device)
-
+    choose = lambda x: choose_strategy(requested, x, shape.n_rows, shape.hidden, plan_vocab, tuning, split)
     strategy = choose(x_ND)
     if strategy == "chunked":  # block steps: the fallback
         check_target_range(y_N, shape.vocab, opts.ignore_index)

@@ -119,8 +119,7 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
     def plan_for(x):
         """The plan of `strategy` for the rows x; "auto" by the free memory now, the same on
         every rank of a split."""
-        chosen = choose_strategy(strategy, x, shape.n_rows, shape.hidden, plan_vocab, tuning)
-        chosen = chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x.device)
+        chosen = choose_strategy(strategy, x, shape.n_rows, shape.hidden, plan_vocab, tuning, split)
         return plan_steps(tuning, "log_probs", chosen, shape.n_rows, shape.hidden, plan_vocab, x.dtype,
                           accumulate_in_input_dtype, whole_vocab=None if split is None else split.vocab)
 

@@ -311,11 +311,7 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
     if tokens["token_weight"] is None:
         tokens["token_weight"] = mean_weight(torch, valid, torch.zeros(valid.shape, dtype=wide, device=valid.device))
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input  # a part: the loops gather
-    def choose(x):
-        """The strategy for the rows x: "auto" by the free memory now, the same on every rank of a split."""
-        chosen = choose_strategy(strategy, x, shape.n_rows, shape.hidden, plan_vocab, tuning)
-        return chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x.device)
-
+    choose = lambda x: choose_strategy(strategy, x, shape.n_rows, shape.hidden, plan_vocab, tuning, split)
     chosen = choose(x_ND)
     rows = valid_rows_only(tuning, chosen, valid, shape.hidden, plan_vocab)
     every_row = tokens

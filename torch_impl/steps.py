@@ -201,7 +201,16 @@ def kernels_can_run(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int, t: Tuning) -> str:
+def choose_strategy(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int, t: Tuning,
+                    split=None) -> str:
+    """`_resolve`'s strategy; with a head split over ranks (split: a VocabSplit), "auto" gives
+    every rank the same one (`VocabSplit.common_strategy`): the strategies differ in their
+    collectives."""
+    chosen = _resolve(strategy, x, n_rows, hidden, vocab, t)
+    return chosen if split is None or strategy != "auto" else split.common_strategy(chosen, x.device)
+
+
+def _resolve(strategy: str, x: torch.Tensor, n_rows: int, hidden: int, vocab: int, t: Tuning) -> str:
     """Resolve "auto" and route to "chunked" where the kernels can't run. "auto" is "speed"
     where its blocks fit a quarter of the free memory, for every loss, as in JAX: where
     neither strategy forms the gradients in the forward pass (log-probabilities), "memory"'s
