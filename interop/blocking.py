@@ -44,13 +44,12 @@ def block_shape(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, 
     when the bytes it saves over fp32 cover the growth).
     "speed" keeps its rows for two buffers: halving them for a dense teacher saves less
     memory than it costs time. Its blocks hold at least min(t.speed_min_rows, D) rows (rounded
-    down to t.min_block)."""
+    down to t.min_block), or all rows where they fit in the bytes of such a block and the
+    grad_weight accumulator that one block does without (`one_speed_block`)."""
     if strategy == "speed":
-        growth_bytes = t.speed_block_elements * (t.narrow_speed_block_growth - 1) * itemsize
-        grows = narrow_accumulator and itemsize == 2 and buffers == 1 and vocab * hidden * 2 >= growth_bytes
-        growth = t.narrow_speed_block_growth if grows else 1
-        rows = _round_down(int(t.speed_block_elements * growth) // vocab, t.min_block)
-        rows = max(rows, _round_down(min(t.speed_min_rows, hidden), t.min_block))
+        rows = _speed_rows(t, hidden, vocab, itemsize, buffers, narrow_accumulator)
+        if one_speed_block(t, n_rows, hidden, vocab, itemsize, buffers, narrow_accumulator):
+            rows = n_rows
         return max(1, min(n_rows, rows)), vocab
     budget = t.memory_fraction * (n_rows + vocab) * hidden * itemsize
     min_rows, min_cols = (max(t.min_block, m) for m in t.min_memory_block)
@@ -60,6 +59,29 @@ def block_shape(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, 
     rows = max(1, min(n_rows, rows))
     cols = min(vocab, max(min_cols, _round_down(int(budget / 2 / (rows * itemsize * buffers)), t.min_block)))
     return rows, cols
+
+
+def _speed_rows(t: Tuning, hidden: int, vocab: int, itemsize: int, buffers: int, narrow_accumulator: bool) -> int:
+    """Rows per "speed" block of a call in several row blocks (`block_shape`), before N
+    bounds them."""
+    growth_bytes = t.speed_block_elements * (t.narrow_speed_block_growth - 1) * itemsize
+    grows = narrow_accumulator and itemsize == 2 and buffers == 1 and vocab * hidden * 2 >= growth_bytes
+    growth = t.narrow_speed_block_growth if grows else 1
+    rows = _round_down(int(t.speed_block_elements * growth) // vocab, t.min_block)
+    return max(rows, _round_down(min(t.speed_min_rows, hidden), t.min_block))
+
+
+def one_speed_block(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int, buffers: int = 1,
+                    narrow_accumulator: bool = False) -> bool:
+    """Whether "speed" takes all rows in one block: each element of grad_weight is then one
+    product, written once in W's dtype, with no accumulator (an fp32 one of V D 4 bytes, or
+    the input dtype's with narrow_accumulator). Taken where the N x V logits (x buffers)
+    take at most t.one_speed_block_share of what several blocks hold beyond the gradients:
+    one block and that accumulator (Q, 4096 x 4096 x 128256: 1 GiB against 0.5 + 2 GiB).
+    Fewer blocks are faster: each reads and writes the accumulator."""
+    rows = _speed_rows(t, hidden, vocab, itemsize, buffers, narrow_accumulator)
+    accumulator = vocab * hidden * (itemsize if narrow_accumulator else max(4, itemsize))
+    return n_rows * vocab * itemsize * buffers <= t.one_speed_block_share * (rows * vocab * itemsize * buffers + accumulator)
 
 
 def _xla_block_budget(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int, gemm_workspace: bool = True,
@@ -192,9 +214,10 @@ def scratch_block_rows(t: Tuning, rows_left: int, hidden: int, vocab: int, scrat
 
 
 def speed_extra_bytes(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int) -> int:
-    """Bytes "speed" needs beyond the gradients: the fp32 dW accumulator and one block."""
-    rows, cols = block_shape(t, "speed", n_rows, hidden, vocab, itemsize)
-    return vocab * hidden * 4 + rows * cols * itemsize
+    """Bytes "speed" needs beyond the gradients, at most: the fp32 dW accumulator and one
+    block of several (one block of all rows takes no more, `one_speed_block`)."""
+    rows = min(n_rows, _speed_rows(t, hidden, vocab, itemsize, 1, False))
+    return vocab * hidden * 4 + rows * vocab * itemsize
 
 
 def forward_only_rows(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int) -> int:

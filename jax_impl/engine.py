@@ -64,9 +64,14 @@ class Rule:
         raise NotImplementedError
 
 
-def _buffers(head: Head, accumulate_dtype, bias: bool):
+def _buffers(head: Head, accumulate_dtype, bias: bool, block_rows: int):
+    """(dW, db) accumulators. In one row block of logits in W's dtype each element of dW is
+    one product, which accumulates in fp32 and is written once in W's dtype: no wider
+    accumulator to convert."""
     W, wide = head.W, compute_dtype(head.x.dtype)
-    return jnp.zeros(W.shape, accumulate_dtype), jnp.zeros((head.W.shape[0 if head.vd else 1],), wide) if bias else None
+    one_product = block_rows >= head.x.shape[0] and head.logits_dtype == W.dtype
+    dtype = W.dtype if one_product else accumulate_dtype
+    return jnp.zeros(W.shape, dtype), jnp.zeros((head.W.shape[0 if head.vd else 1],), wide) if bias else None
 
 
 def _grads(head: Head, dx, carry, axis):
@@ -112,7 +117,7 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
         dW, db, dx_R = head.add_row_shares(dz, x_R, *carry, wide if axis is not None else x_R.dtype)
         return (dW, db), outs + (dx_R,)
 
-    carry = _buffers(head, accumulate_dtype, head.b is not None) if with_grads else ()
+    carry = _buffers(head, accumulate_dtype, head.b is not None, block_rows) if with_grads else ()
     carry, outs = row_loop(row_step, carry, per_row, head.x.shape[0], block_rows, keep, tail_split)
     if at_once:
         state = jax.tree.unflatten(structure[0], outs)
@@ -138,7 +143,7 @@ def backward(rule: Rule, head: Head, per_row: tuple, block_rows: int, accumulate
         dW, db, dx_R = head.col_loop(body, carry + (jnp.zeros(x_R.shape, wide),))
         return (dW, db), (_dx_rows(dx_R, x_R, axis),)
 
-    carry, (dx,) = row_loop(row_step, _buffers(head, accumulate_dtype, head.b is not None), per_row, head.x.shape[0],
+    carry, (dx,) = row_loop(row_step, _buffers(head, accumulate_dtype, head.b is not None, block_rows), per_row, head.x.shape[0],
                             block_rows, keep, tail_split)
     return _grads(head, dx, carry, axis)
 

@@ -147,7 +147,7 @@ def test_speed_peak_is_two_weights_plus_one_block():
     from torch_impl import head
 
     n, d, v = 1024, 4096, 50000  # two row blocks (49 MiB each) well below W (400 MiB): 3 W would fail
-    tuning = Tuning(speed_block_elements=512 * v, speed_min_rows=1)
+    tuning = Tuning(speed_block_elements=512 * v, speed_min_rows=1, one_speed_block_share=0)
     x, W, y = _large_problem(n, d, v, torch.bfloat16)
     x.requires_grad_()
     W.requires_grad_()

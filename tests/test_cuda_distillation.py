@@ -52,7 +52,7 @@ def test_dense_speed_peak_is_two_weights_plus_two_blocks():
     from interop.blocking import block_shape, weight_grad_slabs
 
     n, d, v = 1024, 8192, 50000  # W 781 MiB; two row blocks, each two buffers of 49 MiB
-    tuning = Tuning(speed_block_elements=512 * v, speed_min_rows=1)
+    tuning = Tuning(speed_block_elements=512 * v, speed_min_rows=1, one_speed_block_share=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, xt = (torch.randn(n, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
     W, Wt = ((torch.randn(v, d, device="cuda", generator=gen) / d**0.5).bfloat16() for _ in range(2))

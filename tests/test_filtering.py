@@ -27,7 +27,7 @@ HOT = 64  # classes of the first tile that take most of each row's probability
 # Blocks of 16 (V = 2100) or 24 (V = 1300) whole rows for "speed" at these sizes (the defaults
 # would use one); every test here runs with it.
 SMALL_BLOCKS = Tuning(min_block=4, speed_block_elements=16 * 2100, min_memory_block=(4, 4), speed_min_rows=1,
-                      whole_row_head_bytes=0)
+                      whole_row_head_bytes=0, one_speed_block_share=0)
 
 
 def make_inputs(seed: int, vocab: int, dtype, layout: str, bias: bool, class_weights: bool, n=N, d=D, device="cpu"):

@@ -598,6 +598,65 @@ def test_speed_blocks_grow_with_a_16_bit_accumulator():
     assert block_shape(t, "speed", n, small_head, v, 2, narrow_accumulator=True)[0] == wide
 
 
+def test_speed_takes_one_block_where_it_holds_no_more_than_several():
+    """"speed" takes all rows in one block (which needs no grad_weight accumulator) exactly
+    where their logits take no more bytes than one block of several and the accumulator:
+    Q's 4096 x 4096 x 128256 (1 GiB against 0.5 + 2), not L, G or RL; a 16-bit accumulator
+    counts its own bytes; one_speed_block_share=0 keeps several blocks."""
+    import dataclasses
+
+    from interop.blocking import block_shape, one_speed_block
+
+    t = DEFAULT
+    speed = lambda n, d, v, itemsize=2, **kw: block_shape(t, "speed", n, d, v, itemsize, **kw)[0]
+    assert speed(4096, 4096, 128256) == 4096 and speed(8192, 4096, 128256) == 8192
+    assert speed(16384, 4096, 128256) == speed(8192, 2304, 256000) == speed(32768, 4096, 151936) == 2048
+    for n, d, v, itemsize in [(4096, 4096, 128256, 2), (16384, 4096, 128256, 2), (8192, 2304, 256000, 2),
+                              (12000, 4096, 128256, 2), (4000, 1024, 32000, 4), (100000, 1024, 32000, 4)]:
+        several = block_shape(dataclasses.replace(t, one_speed_block_share=0), "speed", n, d, v, itemsize)[0]
+        held = several * v * itemsize + v * d * 4
+        assert one_speed_block(t, n, d, v, itemsize) == (n * v * itemsize <= held) == (speed(n, d, v, itemsize) == n)
+    # 10240 rows of L: 2.6 GB of logits, within one block and an fp32 accumulator, not a bf16 one
+    assert speed(10240, 4096, 128256) == 10240 and speed(10240, 4096, 128256, narrow_accumulator=True) < 10240
+    assert block_shape(dataclasses.replace(t, one_speed_block_share=0), "speed", 4096, 4096, 128256, 2)[0] == 2048
+
+
+def test_jax_one_speed_block_makes_grad_weight_in_its_dtype():
+    """JAX "speed" in one row block makes grad_weight by one product in W's dtype (bf16), with
+    no fp32 [V, D] accumulator to convert; in several row blocks it accumulates in fp32."""
+    import jax
+    import jax.numpy as jnp
+
+    from interop.options import CrossEntropyOptions
+    from jax_impl.blocked import BlockedConfig
+    from jax_impl.cross_entropy_rule import blocked_linear_cross_entropy
+
+    n, hidden, vocab = 64, 32, 256
+
+    def weight_products(rows):  # dtypes of the [V, D] products of a fwd+bwd in blocks of `rows`
+        cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "speed", "rows", rows, vocab,
+                            False, False, interpret=True, skip_ignored=False, fused_stats=False, tuning=DEFAULT)
+        loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
+        args = (jnp.zeros((n, hidden), jnp.bfloat16), jnp.zeros((vocab, hidden), jnp.bfloat16), jnp.zeros(n, jnp.int32))
+        found = []
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape == (vocab, hidden):
+                    found.append(eqn.outvars[0].aval.dtype)
+                for param in eqn.params.values():
+                    for sub in param if isinstance(param, (list, tuple)) else [param]:
+                        inner = getattr(sub, "jaxpr", sub)
+                        if hasattr(inner, "eqns"):
+                            walk(inner)
+
+        walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(*args).jaxpr)
+        return found
+
+    assert weight_products(n) == [jnp.bfloat16]
+    assert weight_products(32) == [jnp.float32]
+
+
 def test_forward_only_speed_blocks_take_the_accumulators_bytes():
     """A call without gradients holds no grad_weight accumulator: "speed" blocks then take
     what "speed" holds beyond the gradients (fp32 grad_weight + one block), spread evenly
