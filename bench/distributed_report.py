@@ -124,17 +124,22 @@ def _model_rows(data: dict | None, what: str) -> list[list[str]]:
     return rows
 
 
-def _jax_rows(one: list | None, sharded: list | None, what: str) -> list[list[str]]:
+def _jax_rows(one: list | None, sharded: list | None, what: str, device: str) -> list[list[str]]:
     """JAX under jit per shape and method: ms on one GPU and on the mesh, the speed-up, the
-    compiled program's temporaries per device (XLA's analysis)."""
+    compiled program's temporaries per device (XLA's analysis). The one-GPU time is the
+    sharded file's own (devices 1: the same call, the same machine) where it has one, else
+    `one`'s; a machine other than the section's `device` is named in the row."""
     if sharded is None:
         return []
-    rows = []
+    rows, same_call = [], [b for b in sharded if b["devices"] == 1]
     for r in sharded:
+        if r["devices"] == 1:
+            continue
         n, d, v = (int(k) for k in r["shape"].split("x"))
-        base = next((b for b in one or [] if b["shape"] == r["shape"] and b["method"] == r["method"]), None)
+        base = next((b for b in same_call or one or [] if b["shape"] == r["shape"] and b["method"] == r["method"]), None)
         name = PRESET_NAMES.get((n, d, v), "")
-        rows.append([f"JAX {name} {r['shape']}, {what}", r["method"], f"{base['ms']:.1f}" if base else "-",
+        gpu = f" ({r['device_kind']})" if r.get("device_kind", device) != device else ""
+        rows.append([f"JAX {name} {r['shape']}, {what}{gpu}", r["method"], f"{base['ms']:.1f}" if base else "-",
                      f"{r['ms']:.1f}", f"{base['ms'] / r['ms']:.2f}x" if base else "-", "-",
                      f"{_gib(r['temp_bytes_per_device'] / 2**20)} (temporaries)"])
     return rows
@@ -223,7 +228,7 @@ def _table(folder: str, p: int, one: dict, split_head: bool) -> str:
     for name, what in ((f"jax_mesh_{p}gpu_vocab.json", f"head split over {p} GPUs"),
                        (f"jax_mesh_{p}gpu_rows.json", f"rows sharded over {p} GPUs")):
         runs.append(_load(folder, name))
-        rows += _jax_rows(jax_one, runs[-1], what)
+        rows += _jax_rows(jax_one, runs[-1], what, env["device"])
     losses = _load(folder, "jax_mesh_losses.json") or []
     loss_rows = _jax_loss_rows(losses, p)
     rows += loss_rows
