@@ -127,8 +127,8 @@ def _model_rows(data: dict | None, what: str) -> list[list[str]]:
 def _jax_rows(one: list | None, sharded: list | None, what: str, device: str) -> list[list[str]]:
     """JAX under jit per shape and method: ms on one GPU and on the mesh, the speed-up, the
     compiled program's temporaries per device (XLA's analysis). The one-GPU time is the
-    sharded file's own (devices 1: the same call, the same machine) where it has one, else
-    `one`'s; a machine other than the section's `device` is named in the row."""
+    sharded file's own record (devices 1: the same call, the same machine) where it has one,
+    else `one`'s; a machine other than the section's `device` is named in the row."""
     if sharded is None:
         return []
     rows, same_call = [], [b for b in sharded if b["devices"] == 1]
@@ -136,7 +136,8 @@ def _jax_rows(one: list | None, sharded: list | None, what: str, device: str) ->
         if r["devices"] == 1:
             continue
         n, d, v = (int(k) for k in r["shape"].split("x"))
-        base = next((b for b in same_call or one or [] if b["shape"] == r["shape"] and b["method"] == r["method"]), None)
+        match = lambda records: next((b for b in records if b["shape"] == r["shape"] and b["method"] == r["method"]), None)
+        base = match(same_call) or match(one or [])
         name = PRESET_NAMES.get((n, d, v), "")
         gpu = f" ({r['device_kind']})" if r.get("device_kind", device) != device else ""
         rows.append([f"JAX {name} {r['shape']}, {what}{gpu}", r["method"], f"{base['ms']:.1f}" if base else "-",

@@ -35,20 +35,21 @@ def _round_down(n: int, multiple: int) -> int:
 
 
 def block_shape(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int, buffers: int = 1,
-                gathered_rows: bool = False, narrow_accumulator: bool = False) -> tuple[int, int]:
+                gathered_rows: bool = False, narrow_accumulator: bool = False, narrow_grows: bool = True) -> tuple[int, int]:
     """(rows, cols) per block for "speed" or "memory"; itemsize: bytes of the input dtype;
     buffers: logits buffers of that shape held at once (2 for a dense teacher's and the
     student's), which share "memory"'s budget; gathered_rows: each row block's inputs are
     a copy (rows gathered from a larger input), which shares it too; narrow_accumulator:
-    "speed" accumulates grad_weight in a 16-bit input dtype (t.narrow_speed_block_growth,
-    when the bytes it saves over fp32 cover the growth).
+    grad_weight accumulates in the input dtype, with narrow_grows (PyTorch, whose cuBLAS adds
+    into it in place) "speed"'s blocks growing by t.narrow_speed_block_growth for a 16-bit one
+    when the bytes it saves over fp32 cover the growth.
     "speed" keeps its rows for two buffers: halving them for a dense teacher saves less
     memory than it costs time. Its blocks hold at least min(t.speed_min_rows, D) rows (rounded
     down to t.min_block), or all rows where they fit in the bytes of such a block and the
     grad_weight accumulator that one block does without (`one_speed_block`)."""
     if strategy == "speed":
-        rows = _speed_rows(t, hidden, vocab, itemsize, buffers, narrow_accumulator)
-        if one_speed_block(t, n_rows, hidden, vocab, itemsize, buffers, narrow_accumulator):
+        rows = _speed_rows(t, hidden, vocab, itemsize, buffers, narrow_accumulator and narrow_grows)
+        if one_speed_block(t, n_rows, hidden, vocab, itemsize, buffers, narrow_accumulator, narrow_grows):
             rows = n_rows
         return max(1, min(n_rows, rows)), vocab
     budget = t.memory_fraction * (n_rows + vocab) * hidden * itemsize
@@ -61,26 +62,27 @@ def block_shape(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, 
     return rows, cols
 
 
-def _speed_rows(t: Tuning, hidden: int, vocab: int, itemsize: int, buffers: int, narrow_accumulator: bool) -> int:
+def _speed_rows(t: Tuning, hidden: int, vocab: int, itemsize: int, buffers: int, narrow_grows: bool) -> int:
     """Rows per "speed" block of a call in several row blocks (`block_shape`), before N
     bounds them."""
     growth_bytes = t.speed_block_elements * (t.narrow_speed_block_growth - 1) * itemsize
-    grows = narrow_accumulator and itemsize == 2 and buffers == 1 and vocab * hidden * 2 >= growth_bytes
+    grows = narrow_grows and itemsize == 2 and buffers == 1 and vocab * hidden * 2 >= growth_bytes
     growth = t.narrow_speed_block_growth if grows else 1
     rows = _round_down(int(t.speed_block_elements * growth) // vocab, t.min_block)
     return max(rows, _round_down(min(t.speed_min_rows, hidden), t.min_block))
 
 
 def one_speed_block(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int, buffers: int = 1,
-                    narrow_accumulator: bool = False) -> bool:
+                    narrow_accumulator: bool = False, narrow_grows: bool = True) -> bool:
     """Whether "speed" takes all rows in one block: each element of grad_weight is then one
-    product, written once in W's dtype, with no accumulator (an fp32 one of V D 4 bytes, or
-    the input dtype's with narrow_accumulator). Taken where the N x V logits (x buffers)
-    take at most t.one_speed_block_share of what several blocks hold beyond the gradients:
-    one block and that accumulator (Q, 4096 x 4096 x 128256: 1 GiB against 0.5 + 2 GiB).
-    Fewer blocks are faster: each reads and writes the accumulator."""
-    rows = _speed_rows(t, hidden, vocab, itemsize, buffers, narrow_accumulator)
-    accumulator = vocab * hidden * (itemsize if narrow_accumulator else max(4, itemsize))
+    product, written once in W's dtype, with no accumulator. Several blocks of a 16-bit
+    input hold, beyond the gradients, one block and an fp32 accumulator (V D 4 bytes; an
+    accumulator in the input dtype, narrow_accumulator or fp32 inputs, is grad_weight
+    itself); one block holds the N x V logits (x buffers). It is taken where those take at
+    most t.one_speed_block_share of the former (Q, 4096 x 4096 x 128256: 1 GiB against
+    0.5 + 2 GiB): fewer blocks are faster, as each reads and writes the accumulator."""
+    rows = _speed_rows(t, hidden, vocab, itemsize, buffers, narrow_accumulator and narrow_grows)
+    accumulator = vocab * hidden * 4 if itemsize < 4 and not narrow_accumulator else 0
     return n_rows * vocab * itemsize * buffers <= t.one_speed_block_share * (rows * vocab * itemsize * buffers + accumulator)
 
 

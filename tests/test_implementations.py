@@ -600,9 +600,10 @@ def test_speed_blocks_grow_with_a_16_bit_accumulator():
 
 def test_speed_takes_one_block_where_it_holds_no_more_than_several():
     """"speed" takes all rows in one block (which needs no grad_weight accumulator) exactly
-    where their logits take no more bytes than one block of several and the accumulator:
-    Q's 4096 x 4096 x 128256 (1 GiB against 0.5 + 2), not L, G or RL; a 16-bit accumulator
-    counts its own bytes; one_speed_block_share=0 keeps several blocks."""
+    where their logits take no more bytes than one block of several and the fp32 accumulator:
+    Q's 4096 x 4096 x 128256 (1 GiB against 0.5 + 2), not L, G or RL. An accumulator in the
+    input dtype (or fp32 inputs) is grad_weight itself: several blocks then hold one block
+    only. one_speed_block_share=0 keeps several blocks."""
     import dataclasses
 
     from interop.blocking import block_shape, one_speed_block
@@ -614,16 +615,29 @@ def test_speed_takes_one_block_where_it_holds_no_more_than_several():
     for n, d, v, itemsize in [(4096, 4096, 128256, 2), (16384, 4096, 128256, 2), (8192, 2304, 256000, 2),
                               (12000, 4096, 128256, 2), (4000, 1024, 32000, 4), (100000, 1024, 32000, 4)]:
         several = block_shape(dataclasses.replace(t, one_speed_block_share=0), "speed", n, d, v, itemsize)[0]
-        held = several * v * itemsize + v * d * 4
+        held = several * v * itemsize + (v * d * 4 if itemsize < 4 else 0)
         assert one_speed_block(t, n, d, v, itemsize) == (n * v * itemsize <= held) == (speed(n, d, v, itemsize) == n)
-    # 10240 rows of L: 2.6 GB of logits, within one block and an fp32 accumulator, not a bf16 one
+    # 10240 rows of L: 2.6 GB of logits, within one block and an fp32 accumulator; with the
+    # accumulator in bf16 (grad_weight itself) or fp32 inputs, several blocks hold one block only
     assert speed(10240, 4096, 128256) == 10240 and speed(10240, 4096, 128256, narrow_accumulator=True) < 10240
+    assert speed(4096, 4096, 128256, narrow_accumulator=True, narrow_grows=False) == 2048
+    assert speed(4096, 4096, 128256, 4) == 2048
     assert block_shape(dataclasses.replace(t, one_speed_block_share=0), "speed", 4096, 4096, 128256, 2)[0] == 2048
+    # PyTorch's gradient filter adds grad_weight in parts into an accumulator: several blocks
+    import torch
+
+    from torch_impl import head
+
+    q = lambda **kw: head.plan(t, "cross_entropy", "speed", 4096, 4096, 128256, torch.bfloat16, False, **kw).block_rows
+    assert q() == 4096 and q(filter_eps=1e-6) == 2048
 
 
-def test_jax_one_speed_block_makes_grad_weight_in_its_dtype():
+@pytest.mark.parametrize("layout", ["VD", "DV"])
+@pytest.mark.parametrize("return_lse", [False, True], ids=["formed-in-forward", "recomputed"])
+def test_jax_one_speed_block_makes_grad_weight_in_its_dtype(return_lse, layout):
     """JAX "speed" in one row block makes grad_weight by one product in W's dtype (bf16), with
-    no fp32 [V, D] accumulator to convert; in several row blocks it accumulates in fp32."""
+    no fp32 [V, D] accumulator to convert, whether the forward pass forms the gradients or
+    the backward pass recomputes (lse returned); in several row blocks it accumulates in fp32."""
     import jax
     import jax.numpy as jnp
 
@@ -631,18 +645,19 @@ def test_jax_one_speed_block_makes_grad_weight_in_its_dtype():
     from jax_impl.blocked import BlockedConfig
     from jax_impl.cross_entropy_rule import blocked_linear_cross_entropy
 
-    n, hidden, vocab = 64, 32, 256
+    n, hidden, vocab = 64, 48, 256  # no other product is [D, V]
 
     def weight_products(rows):  # dtypes of the [V, D] products of a fwd+bwd in blocks of `rows`
-        cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), "VD", "speed", "rows", rows, vocab,
-                            False, False, interpret=True, skip_ignored=False, fused_stats=False, tuning=DEFAULT)
-        loss = lambda x, W, y: blocked_linear_cross_entropy(x, W, None, None, y, cfg)[0]
-        args = (jnp.zeros((n, hidden), jnp.bfloat16), jnp.zeros((vocab, hidden), jnp.bfloat16), jnp.zeros(n, jnp.int32))
+        cfg = BlockedConfig(CrossEntropyOptions("mean", -100, 0.0, 0.0, None), layout, "speed", "rows", rows, vocab,
+                            False, return_lse, interpret=True, skip_ignored=False, fused_stats=False, tuning=DEFAULT)
+        loss = lambda x, W, y: sum(o.sum() for o in blocked_linear_cross_entropy(x, W, None, None, y, cfg)[:2] if o is not None)
+        w_shape = (vocab, hidden) if layout == "VD" else (hidden, vocab)
+        args = (jnp.zeros((n, hidden), jnp.bfloat16), jnp.zeros(w_shape, jnp.bfloat16), jnp.zeros(n, jnp.int32))
         found = []
 
         def walk(jaxpr):
             for eqn in jaxpr.eqns:
-                if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape == (vocab, hidden):
+                if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape == w_shape:
                     found.append(eqn.outvars[0].aval.dtype)
                 for param in eqn.params.values():
                     for sub in param if isinstance(param, (list, tuple)) else [param]:
