@@ -1,7 +1,8 @@
 """What the PyTorch engine does for every loss: an "auto" call chooses its strategy again in
 a backward pass that recomputes (where its gradient buffers are allocated), for
-cross-entropy with lse returned and top-K distillation per row as for log-probabilities
-(tests/test_log_probs.py); a set strategy is planned once."""
+cross-entropy with lse returned (eager and compiled) and top-K distillation per row as for
+log-probabilities (tests/test_log_probs.py); a set strategy is planned once (in each op of
+a compiled call)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,31 @@ def test_cross_entropy_with_lse_chooses_again_in_the_backward_pass(monkeypatch, 
     _close(_grads(lambda a, b: linear_cross_entropy(a, b, y.to(a.device), return_lse=True, strategy="memory"), x, W,
                   *upstream), want)
     assert planned == ["memory"], planned
+
+
+@pytest.mark.parametrize("backward", ["memory", "speed"])
+def test_compiled_cross_entropy_with_lse_chooses_again_in_the_backward_pass(monkeypatch, backward):
+    """Inside torch.compile the backward op builds its call from the op's arguments, "auto"
+    included, so it chooses its strategy again where its buffers are allocated, as the eager
+    call does."""
+    import torch_impl.functional as functional
+    import torch_impl.head as head
+    from torch_impl import linear_cross_entropy
+
+    _kernels_or_skip()
+    x, W, y, g = _inputs()
+    upstream = (torch.tensor(0.7, dtype=torch.float64), torch.randn(y.shape[0], generator=g, dtype=torch.float64))
+    run = lambda strategy: torch.compile(lambda a, b: linear_cross_entropy(
+        a, b, y.to(a.device), return_lse=True, strategy=strategy), fullgraph=True, backend="aot_eager")
+    want = _grads(run("memory"), x, W, *upstream)
+
+    chosen, planned = iter(["speed", backward]), []
+    _spy(monkeypatch, functional, chosen, planned, (head, "plan"), 2)
+    _close(_grads(run("auto"), x, W, *upstream), want)
+    assert planned == ["speed", backward], planned
+    planned.clear()
+    _close(_grads(run("memory"), x, W, *upstream), want)
+    assert planned == ["memory", "memory"], planned  # a set strategy: the same plan in both ops
 
 
 @pytest.mark.parametrize("backward", ["memory", "speed"])
