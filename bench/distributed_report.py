@@ -136,14 +136,20 @@ def _jax_rows(one: list | None, sharded: list | None, what: str, device: str) ->
         if r["devices"] == 1:
             continue
         n, d, v = (int(k) for k in r["shape"].split("x"))
-        match = lambda records: next((b for b in records if b["shape"] == r["shape"] and b["method"] == r["method"]), None)
-        base = match(same_call) or match(one or [])
+        base = _record_like(same_call, r) or _record_like(one or [], r)
         name = PRESET_NAMES.get((n, d, v), "")
         gpu = f" ({r['device_kind']})" if r.get("device_kind", device) != device else ""
+        if base and base.get("device_kind", device) != r.get("device_kind", device):
+            gpu += f" (one GPU: {base.get('device_kind', device)})"
         rows.append([f"JAX {name} {r['shape']}, {what}{gpu}", r["method"], f"{base['ms']:.1f}" if base else "-",
                      f"{r['ms']:.1f}", f"{base['ms'] / r['ms']:.2f}x" if base else "-", "-",
                      f"{_gib(r['temp_bytes_per_device'] / 2**20)} (temporaries)"])
     return rows
+
+
+def _record_like(records: list, r: dict) -> dict | None:
+    """The record of `records` with r's shape and method, or None."""
+    return next((b for b in records if b["shape"] == r["shape"] and b["method"] == r["method"]), None)
 
 
 def _jax_loss_rows(records: list, p: int) -> list[list[str]]:

@@ -35,21 +35,24 @@ def _round_down(n: int, multiple: int) -> int:
 
 
 def block_shape(t: Tuning, strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int, buffers: int = 1,
-                gathered_rows: bool = False, narrow_accumulator: bool = False, narrow_grows: bool = True) -> tuple[int, int]:
+                gathered_rows: bool = False, narrow_accumulator: bool = False, narrow_grows: bool = True,
+                one_block: bool = True) -> tuple[int, int]:
     """(rows, cols) per block for "speed" or "memory"; itemsize: bytes of the input dtype;
     buffers: logits buffers of that shape held at once (2 for a dense teacher's and the
     student's), which share "memory"'s budget; gathered_rows: each row block's inputs are
     a copy (rows gathered from a larger input), which shares it too; narrow_accumulator:
     grad_weight accumulates in the input dtype, with narrow_grows (PyTorch, whose cuBLAS adds
     into it in place) "speed"'s blocks growing by t.narrow_speed_block_growth for a 16-bit one
-    when the bytes it saves over fp32 cover the growth.
+    when the bytes it saves over fp32 cover the growth; one_block: "speed" may take one block
+    of all rows (`one_speed_block`; not where grad_weight is added in parts, as PyTorch's
+    gradient filter adds it, into an accumulator that one block would hold too).
     "speed" keeps its rows for two buffers: halving them for a dense teacher saves less
     memory than it costs time. Its blocks hold at least min(t.speed_min_rows, D) rows (rounded
     down to t.min_block), or all rows where they fit in the bytes of such a block and the
     grad_weight accumulator that one block does without (`one_speed_block`)."""
     if strategy == "speed":
         rows = _speed_rows(t, hidden, vocab, itemsize, buffers, narrow_accumulator and narrow_grows)
-        if one_speed_block(t, n_rows, hidden, vocab, itemsize, buffers, narrow_accumulator, narrow_grows):
+        if one_block and one_speed_block(t, n_rows, hidden, vocab, itemsize, buffers, narrow_accumulator, narrow_grows):
             rows = n_rows
         return max(1, min(n_rows, rows)), vocab
     budget = t.memory_fraction * (n_rows + vocab) * hidden * itemsize

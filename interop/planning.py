@@ -12,7 +12,9 @@ shapes are interop.blocking's rules, their numbers the call's `Tuning`.
 | "memory" | whole rows where enough fit (`whole_row_memory_scratch` / `..._block_rows`), else tiles: PyTorch `block_shape`, JAX sized for XLA's temporaries, or its own products' on small heads | tiles (`block_shape`); JAX log-probabilities: XLA's tiles where they fit |
 
 "speed" takes one block of all rows where its logits fit in the bytes of a block and the fp32
-grad_weight accumulator that one block does without (`one_speed_block`). PyTorch plans on the
+grad_weight accumulator that one block does without (`one_speed_block`; an accumulator in the
+input dtype is grad_weight itself and earns no bytes; a call with PyTorch's gradient filter,
+which adds grad_weight in parts into an accumulator, keeps several blocks). PyTorch plans on the
 count of rows not ignored; JAX's count is traced, so its one block computes the ignored rows
 too (Q with half the targets ignored, H100: 18.8 ms against 15.2 in blocks of the kept rows;
 with a tenth, 19.4 against 26.2), and `Tuning.one_speed_block_share=0` keeps the blocks.
@@ -63,12 +65,14 @@ class Plan:
 
 def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int,
          accumulate_in_input_dtype: bool, *, buffers: int = 1, gathered_rows: bool = False, n_all: int | None = None,
-         forward_only: bool = False, whole_vocab: int | None = None, return_lse: bool = False) -> Plan:
+         forward_only: bool = False, whole_vocab: int | None = None, return_lse: bool = False,
+         filtered: bool = False) -> Plan:
     """The call's Plan (the table above). n_rows: the rows computed, of n_all (default n_rows);
     vocab: the classes a device plans for (a split head: the largest rank's); buffers: logits
     buffers held at once (2: a dense teacher's beside the student's); gathered_rows: PyTorch
     gathers the rows computed (each row block a copy); forward_only: no gradient is taken;
-    return_lse: the call returns lse (JAX then computes every row).
+    return_lse: the call returns lse (JAX then computes every row); filtered: PyTorch's
+    cross-entropy filters its gradient (several "speed" blocks).
 
     whole_vocab: a head split over the vocabulary, whose whole head has these classes
     (PyTorch's grad_input is then an fp32 sum over the ranks: no whole-row scratch after
@@ -83,7 +87,7 @@ def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidde
     if strategy == "memory" and whole_vocab is not None and whole_vocab > vocab:
         p = plan(t, framework, loss, strategy, n_rows, hidden, whole_vocab, itemsize, accumulate_in_input_dtype,
                  buffers=buffers, gathered_rows=gathered_rows, n_all=n_all, forward_only=forward_only,
-                 whole_vocab=whole_vocab, return_lse=return_lse)
+                 whole_vocab=whole_vocab, return_lse=return_lse, filtered=filtered)
         if p.layout == "tiles":
             return dataclasses.replace(p, cols=min(p.cols, vocab))
         rows = without_a_thin_last_block(t, n_rows, min(n_rows, p.rows * whole_vocab // max(vocab, 1)))
@@ -94,7 +98,7 @@ def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidde
     if loss == "cross_entropy" and framework == "torch":
         n_all = n_rows if n_all is None else n_all
         return _torch_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, gathered_rows, n_all,
-                                    forward_only, whole_vocab is not None)
+                                    forward_only, whole_vocab is not None, filtered)
     if loss == "cross_entropy":
         return _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse)
     if framework == "jax" and loss == "log_probs" and strategy == "memory" and \
@@ -108,14 +112,14 @@ def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidde
 
 
 def _torch_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, gathered_rows, n_all, forward_only,
-                         split) -> Plan:
+                         split, filtered) -> Plan:
     scratch = None
     if strategy == "memory" and not split:
         scratch = whole_row_memory_scratch(t, n_all, n_rows, hidden, vocab, itemsize, gathered_rows)
     if scratch:
         return Plan(strategy, "rows", min(n_rows, scratch // vocab), vocab, narrow, scratch=scratch)
     rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=gathered_rows,
-                             narrow_accumulator=narrow)
+                             narrow_accumulator=narrow, one_block=not filtered)
     if strategy == "speed":
         rows = forward_only_rows(t, n_rows, hidden, vocab, itemsize) if forward_only else rows
         return Plan(strategy, "rows", rows, cols, narrow)

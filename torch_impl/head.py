@@ -49,10 +49,8 @@ def plan(t: Tuning, loss: str, strategy: str, n_rows: int, hidden: int, vocab: i
     """The call's BlockPlan: `interop.planning.plan` (loss, strategy and the facts it takes)
     with grad_weight accumulated in dtype or in `compute_dtype(dtype)`; filter_eps: the
     gradient filter's threshold (cross-entropy's kernels)."""
-    # the filter adds grad_weight in parts, into an accumulator: one "speed" block would hold both
-    planned = t if filter_eps is None else dataclasses.replace(t, one_speed_block_share=0)
-    p = planning.plan(planned, "torch", loss, strategy, n_rows, hidden, vocab, dtype.itemsize, accumulate_in_input_dtype,
-                      **facts)
+    p = planning.plan(t, "torch", loss, strategy, n_rows, hidden, vocab, dtype.itemsize, accumulate_in_input_dtype,
+                      filtered=filter_eps is not None, **facts)
     acc = dtype if p.narrow_accumulator else compute_dtype(dtype)
     return BlockPlan(p.strategy, p.layout, p.rows, p.cols, acc, filter_eps, p.scratch, t)
 
