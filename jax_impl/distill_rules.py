@@ -41,6 +41,7 @@ class DistillConfig:
     vocab: int  # the classes covered (dense: min of both heads')
     accumulate_in_input_dtype: bool  # grad_weight accumulates in the input dtype (the plan's narrow_accumulator)
     interpret: bool
+    partial_sums: bool = False  # grad_weight is a device's partial sum over split rows (`Head.partial_sums`)
 
     @property
     def grads_in_forward(self) -> bool:
@@ -58,13 +59,14 @@ class DistillConfig:
 
     def head(self, x, W, b=None) -> Head:
         logits = compute_dtype(x.dtype) if self.ops.compute_logits else None
-        return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits)
+        return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits, self.partial_sums)
 
-    def local(self, n_rows: int, vocab: int) -> "DistillConfig":
-        """The plan for a device's rows and classes (`jax_impl.partitioned`): the same blocks,
-        at most its rows, whole rows staying whole."""
+    def local(self, n_rows: int, vocab: int, axes) -> "DistillConfig":
+        """The plan for a device's rows and classes (`jax_impl.partitioned`, its `Axes`): the
+        same blocks, at most its rows, whole rows staying whole."""
         cols = vocab if self.block_cols >= self.vocab else min(self.block_cols, vocab)
-        return dataclasses.replace(self, block_rows=min(self.block_rows, n_rows), block_cols=cols, vocab=vocab)
+        return dataclasses.replace(self, block_rows=min(self.block_rows, n_rows), block_cols=cols, vocab=vocab,
+                                   partial_sums=bool(axes.rows))
 
     def accumulate_dtype(self, dtype):
         return dtype if self.accumulate_in_input_dtype else compute_dtype(dtype)
@@ -188,7 +190,7 @@ def _topk_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
 def _topk_forward_pass(static, axes: Axes, x_ND, W, b_V, *rows):
     cfg, with_grads = static
     *teacher, y_N, valid_N, num_items = rows
-    cfg = cfg.local(x_ND.shape[0], _vocab(W, cfg))
+    cfg = cfg.local(x_ND.shape[0], _vocab(W, cfg), axes)
     loss, saved, grads = _topk_forward(x_ND, W, b_V, TopKTeacher(*teacher), y_N, valid_N, num_items, cfg, with_grads,
                                        axes.vocab)
     return (loss, *saved, *(grads or (None,) * 3))
@@ -197,7 +199,7 @@ def _topk_forward_pass(static, axes: Axes, x_ND, W, b_V, *rows):
 def _topk_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, *saved_and_rows):
     *saved, x_ND, W, b_V = saved_and_rows[:7]
     *teacher, y_N, valid_N, num_items = saved_and_rows[7:]
-    cfg = cfg.local(x_ND.shape[0], _vocab(W, cfg))
+    cfg = cfg.local(x_ND.shape[0], _vocab(W, cfg), axes)
     return _topk_backward(g_loss, x_ND, W, b_V, TopKTeacher(*teacher), y_N, valid_N, num_items, saved, cfg, axes.vocab)
 
 
@@ -336,14 +338,14 @@ def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
 
 def _dense_forward_pass(static, axes: Axes, x_ND, W, xt_ND, Wt, valid_N, num_items):
     cfg, with_grads = static
-    cfg = cfg.local(x_ND.shape[0], cfg.vocab)
+    cfg = cfg.local(x_ND.shape[0], cfg.vocab, axes)
     loss, saved, grads = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads, axes.vocab)
     return (loss, *saved, *(grads or (None,) * 2))
 
 
 def _dense_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, lse_s, lse_t, kl_q, x_ND, W, xt_ND, Wt, valid_N,
                          num_items):
-    cfg = cfg.local(x_ND.shape[0], cfg.vocab)
+    cfg = cfg.local(x_ND.shape[0], cfg.vocab, axes)
     return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, (lse_s, lse_t, kl_q), cfg, axes.vocab)
 
 

@@ -67,15 +67,19 @@ class Rule:
 def _buffers(head: Head, accumulate_dtype, bias: bool, block_rows: int):
     """(dW, db) accumulators. In one row block of logits in W's dtype each element of dW is
     one product, which accumulates in fp32 and is written once in W's dtype: no wider
-    accumulator to convert."""
+    accumulator to convert (unless dW is a partial sum over devices, `Head.partial_sums`)."""
     W, wide = head.W, compute_dtype(head.x.dtype)
-    one_product = block_rows >= head.x.shape[0] and head.logits_dtype == W.dtype
+    one_product = block_rows >= head.x.shape[0] and head.logits_dtype == W.dtype and not head.partial_sums
     dtype = W.dtype if one_product else accumulate_dtype
     return jnp.zeros(W.shape, dtype), jnp.zeros((head.W.shape[0 if head.vd else 1],), wide) if bias else None
 
 
 def _grads(head: Head, dx, carry, axis):
+    """(dx, dW, db); dW and db in their accumulators' dtype where they are partial sums over
+    devices (`Head.partial_sums`: rounded after that sum), else in W's and b's."""
     dW, db = carry
+    if head.partial_sums:
+        return summed_grad_input(dx, head.x, axis), dW, db
     return (summed_grad_input(dx, head.x, axis), dW.astype(head.W.dtype),
             None if db is None else db.astype(head.b.dtype))
 

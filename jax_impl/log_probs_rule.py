@@ -122,8 +122,8 @@ def _layout(cfg: DistillConfig, operands: tuple, outputs: tuple) -> Layout:
     return Layout(("n d", w, "v", "n") + operands, tuple(w if o == "W" else o for o in outputs))
 
 
-def _local(cfg: DistillConfig, x_ND, W) -> DistillConfig:
-    return cfg.local(x_ND.shape[0], W.shape[0] if cfg.weight_layout == "VD" else W.shape[1])
+def _local(cfg: DistillConfig, axes: Axes, x_ND, W) -> DistillConfig:
+    return cfg.local(x_ND.shape[0], W.shape[0] if cfg.weight_layout == "VD" else W.shape[1], axes)
 
 
 def _grads_factors(b_V) -> tuple:
@@ -140,7 +140,7 @@ def forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None, axis: str | None =
 
 
 def _forward_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, keep):
-    cfg = _local(cfg, x_ND, W)
+    cfg = _local(cfg, axes, x_ND, W)
     rule = _LogProbsRule(cfg, b_V, compute_dtype(x_ND.dtype), axes.vocab)
     return engine.forward(rule, cfg.head(x_ND, W, b_V), (x_ND, y_N), cfg.block_rows, keep=keep, axis=axes.vocab)[0]
 
@@ -159,7 +159,7 @@ def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream,
 
 def _with_grads_pass(static, axes: Axes, x_ND, W, b_V, y_N, keep, *per_row):
     (cfg, upstream), axis = static, axes.vocab
-    cfg = _local(cfg, x_ND, W)
+    cfg = _local(cfg, axes, x_ND, W)
     rule = _LogProbsRule(cfg, b_V, compute_dtype(x_ND.dtype), axis, upstream)
     (logp, entropy, _, _), grads = engine.forward(rule, cfg.head(x_ND, W, b_V), (x_ND, y_N) + tuple(per_row),
                                                   cfg.block_rows, True, cfg.accumulate_dtype(W.dtype), keep, axis)
@@ -201,7 +201,7 @@ def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=N
 
 
 def _grads_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep):
-    cfg, axis, wide = _local(cfg, x_ND, W), axes.vocab, lse.dtype
+    cfg, axis, wide = _local(cfg, axes, x_ND, W), axes.vocab, lse.dtype
     per_row = (x_ND, y_N, lse, entropy, _upstream(g_lp, y_N, cfg, wide, axis))
     per_row += () if g_H is None else (g_H.astype(wide),)
     return engine.backward(_LogProbsRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V), per_row, cfg.block_rows,

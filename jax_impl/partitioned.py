@@ -176,18 +176,20 @@ def _spec(factors: str, axes: Axes) -> P:
     return P(*(place.get(f) for f in factors.split()))
 
 
-def _sum_over(g, rows: tuple, devices: int):
-    """A partial sum summed over the row axes (of `devices` devices) in fp32 (fp64 for fp64),
-    back in its dtype. A narrower partial whose first dimension the devices divide (a 16-bit
-    grad_weight or grad_bias) is reduce-scattered in fp32, rounded, then all-gathered in its
-    own dtype: the same numbers as an fp32 all-reduce, with 3/4 of its traffic where the
-    backend gathers in that dtype (a ring all-reduce is a reduce-scatter and an all-gather,
-    both in fp32; XLA's CPU backend gathers 16-bit slices as fp32)."""
-    wide = compute_dtype(g.dtype)
-    if g.dtype == wide or g.ndim == 0 or g.shape[0] % devices:
-        return jax.lax.psum(g.astype(wide), rows).astype(g.dtype)
+def _sum_over(g, rows: tuple, devices: int, dtype):
+    """A partial sum (in its accumulator's dtype where the body keeps it: grad_weight and
+    grad_bias, `jax_impl.head.Head.partial_sums`) summed over the row axes (of `devices`
+    devices) in fp32 (fp64 for fp64), then rounded to the output's dtype. A narrower output
+    whose first dimension the devices divide (a 16-bit grad_weight or grad_bias) is
+    reduce-scattered in fp32, rounded, then all-gathered in its own dtype: the same numbers
+    as an fp32 all-reduce, with 3/4 of its traffic where the backend gathers in that dtype
+    (a ring all-reduce is a reduce-scatter and an all-gather, both in fp32; XLA's CPU backend
+    gathers 16-bit slices as fp32)."""
+    wide = compute_dtype(dtype)
+    if dtype == wide or g.ndim == 0 or g.shape[0] % devices:
+        return jax.lax.psum(g.astype(wide), rows).astype(dtype)
     mine = jax.lax.psum_scatter(g.astype(wide), rows, scatter_dimension=0, tiled=True)
-    return jax.lax.all_gather(mine.astype(g.dtype), rows, axis=0, tiled=True)
+    return jax.lax.all_gather(mine.astype(dtype), rows, axis=0, tiled=True)
 
 
 def _partition(job: _Pass, mesh, arg_shapes, result_shape):
@@ -199,7 +201,8 @@ def _partition(job: _Pass, mesh, arg_shapes, result_shape):
         if not axes.rows:
             return outs
         devices = math.prod(mesh.shape[a] for a in axes.rows)
-        return tuple(o if "n" in s.split() else _sum_over(o, axes.rows, devices) for o, s in zip(outs, out_specs))
+        return tuple(o if "n" in s.split() else _sum_over(o, axes.rows, devices, r.dtype)
+                     for o, s, r in zip(outs, out_specs, jax.tree.leaves(result_shape)))
 
     named = lambda s: NamedSharding(mesh, _spec(s, axes))
     return mesh, lower, tuple(map(named, out_specs)), tuple(map(named, specs))
