@@ -871,9 +871,9 @@ for key, strategy, p, options, (g_out, g_lse) in jax_cases(cases=cases):
                                              strategy=strategy, tuning=SMALL, vocab_parallel="tp",
                                              return_lse=True, **options)
 
-    f = jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, None), w_spec, None if p.b is None else P("tp"),
-                                                  row, None if p.cw is None else P()),
-                      out_specs=(row if options.get("reduction") == "none" else P(), row), check_vma=True)
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, None), w_spec, None if p.b is None else P("tp"),
+                                                          row, None if p.cw is None else P()),
+                              out_specs=(row if options.get("reduction") == "none" else P(), row), check_vma=True))
     args = [jnp.asarray(p.x), jnp.asarray(p.W), None if p.b is None else jnp.asarray(p.b),
             jnp.asarray(p.y.astype(np.int32)), None if p.cw is None else jnp.asarray(p.cw)]
     (loss, lse), vjp = jax.vjp(lambda x, W, b: f(x, W, b, args[3], args[4]), *args[:3])
@@ -918,8 +918,8 @@ for key, kind, strategy, p, options, upstream in jax_split_cases(jit, strategies
     if not jit:
         call["vocab_parallel"] = "tp"
     put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec))) if jit else a
-    to_mesh = lambda fn, out_specs: jax.jit(fn) if jit else jax.shard_map(
-        fn, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=True)
+    to_mesh = lambda fn, out_specs: jax.jit(fn if jit else jax.shard_map(
+        fn, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=True))
     if jit:
         args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
     if kind in ("topk", "dense"):
@@ -1063,8 +1063,8 @@ for name, loss in LOSSES.items():
     for strategy in ("speed", "chunked"):
         local = lambda x, W, b, y, ids, lp: jax.lax.psum(loss(x, W, b, y, ids, lp, strategy=strategy, tuning=SMALL,
                                                               vocab_parallel="tp"), "dp")
-        f = jax.shard_map(local, mesh=mesh, in_specs=(P("dp", None), P("tp", None), P("tp"), P("dp"), P("dp", None),
-                                                      P("dp", None)), out_specs=P(), check_vma=True)
+        f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("dp", None), P("tp", None), P("tp"), P("dp"),
+                                                              P("dp", None), P("dp", None)), out_specs=P(), check_vma=True))
         got = jax.grad(f, argnums=(0, 1, 2))(x, W, b, y, ids, lp)
         want = jax.grad(lambda x, W, b: loss(x, W, b, y, ids, lp, strategy="chunked"), argnums=(0, 1, 2))(x, W, b)
         if name == "dense":  # no bias
@@ -1283,7 +1283,7 @@ def test_jax_jit_partitions_sharded_operands_instead_of_gathering(tmp_path):
 
 
 ROWS_SCRIPT = r"""
-import re
+import dataclasses, re
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_impl
@@ -1319,6 +1319,22 @@ for V in (52, 51):  # 52 classes divide over 2 or 4 devices (reduce-scattered), 
         narrow = any(gathered.search(line) for line in hlo)
         if gpu and V % P_ == 0 and not narrow:
             bad.append((V, strategy, "grad_weight not all-gathered in bf16"))
+    # "speed" sums each device's partial grad_weight in fp32 and rounds once: one device's
+    # numbers (within an ulp, the fp32 sums' order), even where the partials cancel, where
+    # partials rounded to bf16 first are off by many ulps ("sum": a split "mean" scales dz
+    # after its rounding, not before); a device's rows in blocks of 4, or in one block of 12
+    g = jnp.asarray(rng.standard_normal(N).astype(np.float32))
+    for t in (SMALL, dataclasses.replace(SMALL, speed_block_elements=16 * 52)):
+        for name, loss in (("cross_entropy", lambda x_, W_: jax_impl.linear_cross_entropy(
+                                x_, W_, jnp.asarray(y), reduction="sum", strategy="speed", tuning=t)),
+                           ("log_probs", lambda x_, W_: jnp.sum(g * jax_impl.linear_log_probs(
+                                x_, W_, jnp.asarray(y), strategy="speed", tuning=t)))):
+            f = jax.jit(jax.grad(loss, argnums=1))
+            one = np.asarray(f(x, W), np.float64)
+            split = np.asarray(f(*args), np.float64)
+            ulps = np.abs(split - one) / np.maximum(np.abs(one) * 2.0 ** -7, 1e-30)
+            if ulps.max() > 1:
+                bad.append((V, name, t.speed_block_elements, "grad_weight off one device's by", ulps.max(), "ulps"))
 print("BAD", bad)
 print("done" if not bad else "failed")
 """
@@ -1328,7 +1344,9 @@ def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
     """Under jax.jit with the rows sharded over 4 CPU devices and a replicated bf16 head: the
     partial grad_weights are reduce-scattered in fp32 and all-gathered in bf16 (where the
     devices divide the classes; all-reduced where not), and every result is the float64
-    reference's within bf16's tolerance, grad_weight replicated in bf16."""
+    reference's within bf16's tolerance, grad_weight replicated in bf16; "speed"'s
+    grad_weight (cross-entropy, log-probabilities) is one device's within an ulp: the
+    partials are summed in fp32 before any rounding."""
     done = _jax_process(["-c", ROWS_SCRIPT], "cpu", timeout=900)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
