@@ -31,7 +31,8 @@ class Tuning:
     # "speed" in one block of all rows, which needs no grad_weight accumulator, where its
     # logits take at most this share of one block and that accumulator (`one_speed_block`;
     # 1: no more logits and accumulator bytes than several blocks, which `speed_extra_bytes`
-    # then bounds for "auto"; 0: never, for tests of many blocks).
+    # then bounds for "auto"; 0: never, for tests of many blocks). A JAX device's rows of
+    # rows sharded under jit keep an fp32 partial in one block too: up to V D 4 bytes more.
     one_speed_block_share: float = 1.0
     # "speed" with a 16-bit grad_weight accumulator: the block grows by this factor when the
     # V D 2 bytes an fp32 accumulator would have held pay for the growth (fewer passes).

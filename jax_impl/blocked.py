@@ -76,8 +76,8 @@ def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dty
     kernels on small heads; its forward pass without gradients from `fused_stats`);
     whole_vocab: a split head's classes (vocab: the device's; "memory" then takes one
     device's block for the whole head, whole rows included, which PyTorch's split never
-    takes); partial_sums: a device's rows of rows split across devices (`Head.partial_sums`;
-    the same blocks: see `interop.blocking.one_speed_block`)."""
+    takes); partial_sums: the rows are one device's share of rows split across devices
+    (`Head.partial_sums`; the same blocks: see `interop.blocking.one_speed_block`)."""
     p = planning.plan(t, "jax", "cross_entropy", strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
                       accumulate_in_input_dtype, return_lse=return_lse, whole_vocab=whole_vocab)
     return BlockedConfig(options, weight_layout, strategy, p.layout, p.rows, p.cols, p.narrow_accumulator, return_lse,

@@ -15,8 +15,9 @@ class Head:
     """One linear head's operands in blocks: x [N, D], W ([V, D] "VD" or [D, V] "DV"), bias;
     `vocab` may be smaller than W's (its first classes); logits in `logits_dtype` (the
     input's dtype unless given: the fallback's fp32); partial_sums: grad_weight is this
-    device's partial sum over rows split across devices, kept in fp32 (the accumulator's
-    dtype) for the sum over devices (`jax_impl.partitioned`), never rounded to W's first."""
+    device's partial sum over rows split across devices, kept in the accumulator's dtype
+    (fp32 unless it is narrow) for the sum over devices (`jax_impl.partitioned`), not
+    rounded to W's first."""
 
     def __init__(self, x_ND, W, b_V, weight_layout: str, block_cols: int, vocab: int | None = None, logits_dtype=None,
                  partial_sums: bool = False):

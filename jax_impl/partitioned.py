@@ -10,7 +10,9 @@ dimension never split), and the partitioner is told:
   rows, when the number of rows divides evenly); row operands and row outputs keep it.
   Outputs without rows (a reduced loss, grad_weight, grad_bias) are each device's partial
   sums, summed over those axes (in fp32; fp64 for fp64; a 16-bit one reduce-scattered in
-  fp32 and all-gathered in its dtype).
+  fp32 and all-gathered in its dtype); a body may return them wider than the call's result
+  (grad_weight and grad_bias in their accumulators' dtype, `jax_impl.head.Head.partial_sums`),
+  rounded to the result's dtype after the sum.
 - classes: a head sharded on its vocabulary dimension over one mesh axis that the rows do
   not use (and that divides V evenly) is split there, where the loss can split its head
   (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
@@ -202,7 +204,7 @@ def _partition(job: _Pass, mesh, arg_shapes, result_shape):
             return outs
         devices = math.prod(mesh.shape[a] for a in axes.rows)
         return tuple(o if "n" in s.split() else _sum_over(o, axes.rows, devices, r.dtype)
-                     for o, s, r in zip(outs, out_specs, jax.tree.leaves(result_shape)))
+                     for o, s, r in zip(outs, out_specs, jax.tree.leaves(result_shape), strict=True))
 
     named = lambda s: NamedSharding(mesh, _spec(s, axes))
     return mesh, lower, tuple(map(named, out_specs)), tuple(map(named, specs))
