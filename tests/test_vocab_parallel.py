@@ -1319,22 +1319,30 @@ for V in (52, 51):  # 52 classes divide over 2 or 4 devices (reduce-scattered), 
         narrow = any(gathered.search(line) for line in hlo)
         if gpu and V % P_ == 0 and not narrow:
             bad.append((V, strategy, "grad_weight not all-gathered in bf16"))
-    # "speed" sums each device's partial grad_weight in fp32 and rounds once: one device's
-    # numbers (within an ulp, the fp32 sums' order), even where the partials cancel, where
-    # partials rounded to bf16 first are off by many ulps ("sum": a split "mean" scales dz
-    # after its rounding, not before); a device's rows in blocks of 4, or in one block of 12
+    # "speed" sums each device's partial grad_weight and grad_bias in fp32 and rounds once:
+    # one device's numbers (within an ulp, the fp32 sums' order), even where the partials
+    # cancel, where partials rounded to bf16 first are off by many ulps ("sum": a split
+    # "mean" scales dz after its rounding, not before); a device's rows in blocks of 4, or in
+    # one block of all of them
     g = jnp.asarray(rng.standard_normal(N).astype(np.float32))
-    for t in (SMALL, dataclasses.replace(SMALL, speed_block_elements=16 * 52)):
-        for name, loss in (("cross_entropy", lambda x_, W_: jax_impl.linear_cross_entropy(
-                                x_, W_, jnp.asarray(y), reduction="sum", strategy="speed", tuning=t)),
-                           ("log_probs", lambda x_, W_: jnp.sum(g * jax_impl.linear_log_probs(
-                                x_, W_, jnp.asarray(y), strategy="speed", tuning=t)))):
-            f = jax.jit(jax.grad(loss, argnums=1))
-            one = np.asarray(f(x, W), np.float64)
-            split = np.asarray(f(*args), np.float64)
-            ulps = np.abs(split - one) / np.maximum(np.abs(one) * 2.0 ** -7, 1e-30)
-            if ulps.max() > 1:
-                bad.append((V, name, t.speed_block_elements, "grad_weight off one device's by", ulps.max(), "ulps"))
+    b = jnp.asarray(rng.standard_normal(V) * 0.1, jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, V, (N, 4)).astype(np.int32))
+    lp = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((N, 4)), jnp.float32))
+    for t in (SMALL, dataclasses.replace(SMALL, speed_block_elements=N // P_ * 52)):
+        call = dict(strategy="speed", tuning=t)
+        for name, loss in (("cross_entropy", lambda x_, W_, b_: jax_impl.linear_cross_entropy(
+                                x_, W_, jnp.asarray(y), linear_bias=b_, reduction="sum", **call)),
+                           ("log_probs", lambda x_, W_, b_: jnp.sum(g * jax_impl.linear_log_probs(
+                                x_, W_, jnp.asarray(y), linear_bias=b_, **call))),
+                           ("topk", lambda x_, W_, b_: jax_impl.linear_topk_distillation(
+                                x_, W_, ids, lp, linear_bias=b_, reduction="sum", **call))):
+            f = jax.jit(jax.grad(loss, argnums=(1, 2)))
+            for what, one, split in zip(("grad_weight", "grad_bias"), f(x, W, b), f(*args, b)):
+                one, split = np.asarray(one, np.float64), np.asarray(split, np.float64)
+                ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(one), 1e-30))) - 7)  # bf16's spacing at |one|
+                if (np.abs(split - one) / ulp).max() > 1:
+                    bad.append((V, name, t.speed_block_elements, what, "off one device's by",
+                                (np.abs(split - one) / ulp).max(), "ulps"))
 print("BAD", bad)
 print("done" if not bad else "failed")
 """
@@ -1345,8 +1353,8 @@ def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
     partial grad_weights are reduce-scattered in fp32 and all-gathered in bf16 (where the
     devices divide the classes; all-reduced where not), and every result is the float64
     reference's within bf16's tolerance, grad_weight replicated in bf16; "speed"'s
-    grad_weight (cross-entropy, log-probabilities) is one device's within an ulp: the
-    partials are summed in fp32 before any rounding."""
+    grad_weight and grad_bias (cross-entropy, log-probabilities, top-K distillation) are one
+    device's within an ulp: the partials are summed in fp32 before any rounding."""
     done = _jax_process(["-c", ROWS_SCRIPT], "cpu", timeout=900)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
