@@ -78,10 +78,10 @@ def _grads(head: Head, dx, carry, axis):
     """(dx, dW, db); dW and db in their accumulators' dtype where they are partial sums over
     devices (`Head.partial_sums`: rounded after that sum), else in W's and b's."""
     dW, db = carry
+    dx = summed_grad_input(dx, head.x, axis)
     if head.partial_sums:
-        return summed_grad_input(dx, head.x, axis), dW, db
-    return (summed_grad_input(dx, head.x, axis), dW.astype(head.W.dtype),
-            None if db is None else db.astype(head.b.dtype))
+        return dx, dW, db
+    return dx, dW.astype(head.W.dtype), None if db is None else db.astype(head.b.dtype)
 
 
 def _dx_rows(dx_R, x_R, axis):
