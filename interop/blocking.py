@@ -84,10 +84,9 @@ def one_speed_block(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: i
     itself); one block holds the N x V logits (x buffers). It is taken where those take at
     most t.one_speed_block_share of the former (Q, 4096 x 4096 x 128256: 1 GiB against
     0.5 + 2 GiB): fewer blocks are faster, as each reads and writes the accumulator.
-    A JAX device's partial sum over rows split across devices keeps an fp32 grad_weight in
-    one block too (summed over devices before rounding), so one block saves no accumulator
-    there; it is still taken, as it still saves the accumulator's passes (measured faster
-    at L and G on 2 GPUs, bench/NOTES.md)."""
+    A JAX device's share of rows split across devices sums its grad_weight over the devices
+    slab by slab as one block forms it (`jax_impl.head.Head.summed_row_shares`): a slab of
+    fp32 partial at a time, whose sums overlap the next slabs' products."""
     rows = _speed_rows(t, hidden, vocab, itemsize, buffers, narrow_accumulator and narrow_grows)
     accumulator = vocab * hidden * 4 if itemsize < 4 and not narrow_accumulator else 0
     return n_rows * vocab * itemsize * buffers <= t.one_speed_block_share * (rows * vocab * itemsize * buffers + accumulator)

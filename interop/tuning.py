@@ -31,8 +31,7 @@ class Tuning:
     # "speed" in one block of all rows, which needs no grad_weight accumulator, where its
     # logits take at most this share of one block and that accumulator (`one_speed_block`;
     # 1: no more logits and accumulator bytes than several blocks, which `speed_extra_bytes`
-    # then bounds for "auto"; 0: never, for tests of many blocks). A JAX device's rows of
-    # rows sharded under jit keep an fp32 partial in one block too: up to V D 4 bytes more.
+    # then bounds for "auto"; 0: never, for tests of many blocks).
     one_speed_block_share: float = 1.0
     # "speed" with a 16-bit grad_weight accumulator: the block grows by this factor when the
     # V D 2 bytes an fp32 accumulator would have held pay for the growth (fewer passes).
@@ -110,6 +109,12 @@ ROW_KERNEL_ROWS = 1024
 # PyTorch: the whole-row statistics pass, columns per step and warps (a little faster than
 # BLOCK_COLS with 8 warps; the same with gradients).
 WHOLE_ROW_STATS_COLS, WHOLE_ROW_STATS_WARPS = 4096, 16
+# JAX, rows split across devices under jit: a device's grad_weight of one row block is
+# formed in this many slabs of the hidden dimension, each reduce-scattered over the devices
+# as soon as it is formed, so that its sum overlaps the next slab's product and no whole
+# fp32 partial is held. On 2 x H200 at L, 2 slabs hold 3.7 GB of temporaries per device
+# against 4.2 GB in one slab; 2, 4 and 8 slabs ran within run-to-run noise (bench/NOTES.md).
+ROWS_SUM_SLABS = 2
 # JAX: the row kernels' launch parameters.
 JAX_ROW_KERNEL_PARAMS = dict(num_warps=8, num_stages=1)
 # JAX fused row statistics: a tile of logits [rows, classes], bytes of the hidden dimension

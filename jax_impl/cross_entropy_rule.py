@@ -117,19 +117,22 @@ class _CrossEntropyRule(engine.Rule):
         return prob.ops.grad(z, v0, prob.b, self._y(xs), self.opts.softcap, 1.0, lse, p, t, None, prob.cw, s)
 
 
-def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool, axis: str | None = None):
+def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool, axis: str | None = None, scale=None):
     """(loss, lse [N], grads) where grads = (dx, dW, db) for an upstream gradient of 1 if
     with_grads (whole-row blocks), else None. axis: a head split over the vocabulary (W and
     b this device's equal slice of the classes, cw_V and y_N whole; `blocked.split_config`):
     each row block's statistics are combined over it before its dz, so the gradients still
     come from one product per block (6 N D V / P flops per device); grad_input is summed
-    over it."""
+    over it. scale: the gradients' upstream gradient where cfg's "sum" is a device's share
+    of a mean over rows split across devices (`_local`), taken into dz's coefficients: a
+    pass over grad_weight and its copy saved, and dz rounded as one device rounds it."""
     prob, y_cols, rows, cw_sum, vocab = _call(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     opts, grads = cfg.options, None
     if cfg.fused_stats and not with_grads:
         lse, s_y, ws = _combined(_fused_row_stats(prob, x_ND, y_cols), axis)
     else:
-        scale = 1.0 / rows.cw_y.sum() if opts.reduction == "mean" else jnp.asarray(1.0, prob.wide)
+        if scale is None:
+            scale = 1.0 / rows.cw_y.sum() if opts.reduction == "mean" else jnp.asarray(1.0, prob.wide)
         per_row = (x_ND, rows.safe_y if axis is None else y_N, rows.valid, rows.bad, rows.in_range, rows.cw_y)
         acc = W.dtype if cfg.accumulate_in_input_dtype else prob.wide
         (lse, s_y, ws), grads = engine.forward(_CrossEntropyRule(prob, axis, cw_sum, vocab, scale), prob, per_row,
@@ -169,12 +172,8 @@ def _local(cfg: BlockedConfig, axes: Axes, x_ND, W, y_N, cw_V):
         scale = 1.0 / jax.lax.psum(rows.cw_y.sum(), axes.rows)
     local = blocked.plan(cfg.tuning, opts, cfg.weight_layout, cfg.strategy, x_ND.shape[0], x_ND.shape[1], vocab,
                          x_ND.dtype, cfg.accumulate_in_input_dtype, cfg.return_lse, "cpu" if cfg.interpret else "gpu",
-                         whole if axes.vocab else None, partial_sums=bool(axes.rows))
+                         whole if axes.vocab else None, rows_axes=axes.rows)
     return (blocked.split_config(local) if axes.vocab else local), scale
-
-
-def _scaled(g, scale):
-    return g if g is None or scale is None else (g.astype(scale.dtype) * scale).astype(g.dtype)
 
 
 def _forward_pass(static, axes: Axes, x_ND, W, b_V, cw_V, y_N):
@@ -182,9 +181,9 @@ def _forward_pass(static, axes: Axes, x_ND, W, b_V, cw_V, y_N):
     gradient of 1) where static's with_grads is set, else None."""
     cfg, with_grads = static
     local, scale = _local(cfg, axes, x_ND, W, y_N, cw_V)
-    loss, lse, grads = forward(x_ND, W, b_V, cw_V, y_N, local, with_grads, axes.vocab)
-    grads = grads or (None,) * 3
-    return (_scaled(loss, scale), lse) + tuple(_scaled(g, scale) for g in grads)
+    loss, lse, grads = forward(x_ND, W, b_V, cw_V, y_N, local, with_grads, axes.vocab, scale)
+    loss = loss if scale is None else (loss * scale).astype(loss.dtype)
+    return (loss, lse) + (grads or (None,) * 3)
 
 
 def _backward_pass(cfg: BlockedConfig, axes: Axes, g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N):

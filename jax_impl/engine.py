@@ -18,8 +18,10 @@ is x's rows; which others is the rule's), and on logits blocks z [R, C] (no bias
 `apply` is every loss's `jax.custom_vjp`, over a `Call` (the loss's passes).
 
 The loop owns the rest once for every loss: grad_weight (and the bias') accumulators, the
-row block's fp32 grad_input summed over column blocks, the rows computed (`keep`), and a
-head split over the vocabulary along a shard_map axis (grad_input summed over it).
+row block's fp32 grad_input summed over column blocks, the rows computed (`keep`), a head
+split over the vocabulary along a shard_map axis (grad_input summed over it), and rows
+split across devices under jit (`Head.rows_axes`: grad_weight and grad_bias summed over
+them, slab by slab as they are formed where one block holds every row).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_impl.head import Head
+from jax_impl.partitioned import summed_over_rows
 from jax_impl.rows import compute_dtype, row_loop
 from jax_impl.vocab_parallel import summed_grad_input
 
@@ -67,21 +70,22 @@ class Rule:
 def _buffers(head: Head, accumulate_dtype, bias: bool, block_rows: int):
     """(dW, db) accumulators. In one row block of logits in W's dtype each element of dW is
     one product, which accumulates in fp32 and is written once in W's dtype: no wider
-    accumulator to convert (unless dW is a partial sum over devices, `Head.partial_sums`)."""
+    accumulator to convert (unless dW is a partial sum over devices, `Head.rows_axes`)."""
     W, wide = head.W, compute_dtype(head.x.dtype)
-    one_product = block_rows >= head.x.shape[0] and head.logits_dtype == W.dtype and not head.partial_sums
+    one_product = block_rows >= head.x.shape[0] and head.logits_dtype == W.dtype and not head.rows_axes
     dtype = W.dtype if one_product else accumulate_dtype
     return jnp.zeros(W.shape, dtype), jnp.zeros((head.W.shape[0 if head.vd else 1],), wide) if bias else None
 
 
-def _grads(head: Head, dx, carry, axis):
-    """(dx, dW, db); dW and db in their accumulators' dtype where they are partial sums over
-    devices (`Head.partial_sums`: rounded after that sum), else in W's and b's."""
+def _grads(head: Head, dx, carry, axis, summed: bool = False):
+    """(dx, dW, db) in W's and b's dtypes; dW and db summed over the devices splitting the
+    rows (`Head.rows_axes`) from their accumulators, unless `summed` already."""
     dW, db = carry
     dx = summed_grad_input(dx, head.x, axis)
-    if head.partial_sums:
+    if summed:
         return dx, dW, db
-    return dx, dW.astype(head.W.dtype), None if db is None else db.astype(head.b.dtype)
+    total = lambda a, like: a.astype(like.dtype) if not head.rows_axes else summed_over_rows(a, head.rows_axes, like.dtype)
+    return dx, total(dW, head.W), None if db is None else total(db, head.b)
 
 
 def _dx_rows(dx_R, x_R, axis):
@@ -96,6 +100,10 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
     gradient of 1 (grad_weight accumulated in accumulate_dtype), else None. per_row: [N,
     ...] arrays, x first; axis: a split head's shard_map axis; tail_split: `row_loop`'s."""
     wide = compute_dtype(head.x.dtype)
+    # a device's share of rows split across devices in one block of every row and class:
+    # grad_weight summed over the devices slab by slab as it is formed
+    slabs = (with_grads and bool(head.rows_axes) and block_rows >= head.x.shape[0]
+             and head.vocab == head.W.shape[0 if head.vd else 1])
     # without gradients, a one-sweep rule's statistics are combined over the axis once, for every row
     at_once = axis is not None and not with_grads and rule.sweeps == 1 and keep is None
     structure = []  # of the statistics, which the loop then returns as a flat tuple
@@ -118,8 +126,9 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
         if not with_grads:
             return carry, outs
         dz = rule.grad(z, 0, xs, rule.coefficients(xs, state))
-        dW, db, dx_R = head.add_row_shares(dz, x_R, *carry, wide if axis is not None else x_R.dtype)
-        return (dW, db), outs + (dx_R,)
+        dx_dtype = wide if axis is not None else x_R.dtype
+        shares = head.summed_row_shares(dz, x_R, dx_dtype) if slabs else head.add_row_shares(dz, x_R, *carry, dx_dtype)
+        return shares[:2], outs + (shares[2],)
 
     carry = _buffers(head, accumulate_dtype, head.b is not None, block_rows) if with_grads else ()
     carry, outs = row_loop(row_step, carry, per_row, head.x.shape[0], block_rows, keep, tail_split)
@@ -128,7 +137,7 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
         return rule.outputs(per_row, rule.done(per_row, state, 0)), None
     if not with_grads:
         return outs, None
-    return outs[:-1], _grads(head, outs[-1], carry, axis)
+    return outs[:-1], _grads(head, outs[-1], carry, axis, slabs)
 
 
 def backward(rule: Rule, head: Head, per_row: tuple, block_rows: int, accumulate_dtype, keep=None,

@@ -8,11 +8,10 @@ dimension never split), and the partitioner is told:
 
 - rows: each device computes the rows it holds (the sharding of the first row operand's
   rows, when the number of rows divides evenly); row operands and row outputs keep it.
-  Outputs without rows (a reduced loss, grad_weight, grad_bias) are each device's partial
-  sums, summed over those axes (in fp32; fp64 for fp64; a 16-bit one reduce-scattered in
-  fp32 and all-gathered in its dtype); a body may return them wider than the call's result
-  (grad_weight and grad_bias in their accumulators' dtype, `jax_impl.head.Head.partial_sums`),
-  rounded to the result's dtype after the sum.
+  Outputs without rows are each device's partial sums, summed over those axes by
+  `summed_over_rows`: a reduced loss here, after the body; outputs with classes (grad_weight,
+  grad_bias) by the body itself, as it forms them (`jax_impl.head.Head.rows_axes`), so that
+  the sums overlap its products.
 - classes: a head sharded on its vocabulary dimension over one mesh axis that the rows do
   not use (and that divides V evenly) is split there, where the loss can split its head
   (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
@@ -178,16 +177,16 @@ def _spec(factors: str, axes: Axes) -> P:
     return P(*(place.get(f) for f in factors.split()))
 
 
-def _sum_over(g, rows: tuple, devices: int, dtype):
-    """A partial sum (in its accumulator's dtype where the body keeps it: grad_weight and
-    grad_bias, `jax_impl.head.Head.partial_sums`) summed over the row axes (of `devices`
-    devices) in fp32 (fp64 for fp64), then rounded to the output's dtype. A narrower output
-    whose first dimension the devices divide (a 16-bit grad_weight or grad_bias) is
-    reduce-scattered in fp32, rounded, then all-gathered in its own dtype: the same numbers
-    as an fp32 all-reduce, with 3/4 of its traffic where the backend gathers in that dtype
-    (a ring all-reduce is a reduce-scatter and an all-gather, both in fp32; XLA's CPU backend
-    gathers 16-bit slices as fp32)."""
-    wide = compute_dtype(dtype)
+def summed_over_rows(g, rows: tuple, dtype):
+    """g, a device's partial sum over its share of rows split over the mesh axes `rows` (in
+    its accumulator's dtype: grad_weight and grad_bias unrounded), summed over them in fp32
+    (fp64 for fp64), then rounded to dtype. A narrower result whose first dimension the
+    devices divide (a 16-bit grad_weight or grad_bias) is reduce-scattered in fp32, rounded,
+    then all-gathered in its own dtype: the same numbers as an fp32 all-reduce, with 3/4 of
+    its traffic where the backend gathers in that dtype (a ring all-reduce is a
+    reduce-scatter and an all-gather, both in fp32; XLA's CPU backend gathers 16-bit slices
+    as fp32)."""
+    wide, devices = compute_dtype(dtype), jax.lax.psum(1, rows)
     if dtype == wide or g.ndim == 0 or g.shape[0] % devices:
         return jax.lax.psum(g.astype(wide), rows).astype(dtype)
     mine = jax.lax.psum_scatter(g.astype(wide), rows, scatter_dimension=0, tiled=True)
@@ -202,8 +201,7 @@ def _partition(job: _Pass, mesh, arg_shapes, result_shape):
         outs = job(axes, *arrays)
         if not axes.rows:
             return outs
-        devices = math.prod(mesh.shape[a] for a in axes.rows)
-        return tuple(o if "n" in s.split() else _sum_over(o, axes.rows, devices, r.dtype)
+        return tuple(o if {"n", "v"} & set(s.split()) else summed_over_rows(o, axes.rows, r.dtype)
                      for o, s, r in zip(outs, out_specs, jax.tree.leaves(result_shape), strict=True))
 
     named = lambda s: NamedSharding(mesh, _spec(s, axes))

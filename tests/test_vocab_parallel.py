@@ -1288,6 +1288,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_impl
 from interop.reference import linear_cross_entropy_reference
+from interop.tuning import ROWS_SUM_SLABS
 from tests.frameworks import SMALL, tolerance
 
 P_ = jax.device_count()
@@ -1328,7 +1329,8 @@ for V in (52, 51):  # 52 classes divide over 2 or 4 devices (reduce-scattered), 
     b = jnp.asarray(rng.standard_normal(V) * 0.1, jnp.bfloat16)
     ids = jnp.asarray(rng.integers(0, V, (N, 4)).astype(np.int32))
     lp = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((N, 4)), jnp.float32))
-    for t in (SMALL, dataclasses.replace(SMALL, speed_block_elements=N // P_ * 52)):
+    one_block = dataclasses.replace(SMALL, speed_block_elements=N // P_ * 52)
+    for t in (SMALL, one_block):
         call = dict(strategy="speed", tuning=t)
         for name, loss in (("cross_entropy", lambda x_, W_, b_: jax_impl.linear_cross_entropy(
                                 x_, W_, jnp.asarray(y), linear_bias=b_, reduction="sum", **call)),
@@ -1343,6 +1345,30 @@ for V in (52, 51):  # 52 classes divide over 2 or 4 devices (reduce-scattered), 
                 if (np.abs(split - one) / ulp).max() > 1:
                     bad.append((V, name, t.speed_block_elements, what, "off one device's by",
                                 (np.abs(split - one) / ulp).max(), "ulps"))
+    # one block per device: grad_weight summed over the devices slab by slab as it is formed
+    # (each slab's sum overlapping the next one's product), never as one whole fp32 partial
+    # (a GPU compiler may combine collectives this small into one)
+    f = jax.jit(jax.grad(lambda x_, W_: jax_impl.linear_cross_entropy(x_, W_, jnp.asarray(y), strategy="speed",
+                                                                       tuning=one_block), argnums=1))
+    hlo = f.lower(*args).compile().as_text().splitlines()
+    results = [re.split(r" (reduce-scatter|all-reduce)\(", line)[0] for line in hlo
+               if " reduce-scatter(" in line or " all-reduce(" in line]
+    rows = V // P_ if V % P_ == 0 else V  # reduce-scattered, else all-reduced
+    slabs = sum(r.count(f"f32[{rows},{D // ROWS_SUM_SLABS}]") for r in results)
+    if not gpu and (slabs != ROWS_SUM_SLABS or any(f"f32[{V // P_},{D}]" in r or f"f32[{V},{D}]" in r for r in results)):
+        bad.append((V, "one block: grad_weight summed over the devices in", slabs, "slabs", results))
+if gpu:  # per-device temporaries: a device's own problem's, plus no more than one fp32 [V, D] crossing
+    N, D, V = 16384, 512, 32768  # a device's logits 4x its fp32 [V, D] partial, as at L
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    W = jnp.asarray(rng.standard_normal((V, D)) * 0.05, jnp.bfloat16)
+    y = jnp.asarray(rng.integers(0, V, N).astype(np.int32))
+    temps = lambda f, *a: f.lower(*a).compile().memory_analysis().temp_size_in_bytes
+    loss = lambda y_: lambda x_, W_: jax_impl.linear_cross_entropy(x_, W_, y_, strategy="speed")
+    grad = lambda y_: jax.jit(jax.value_and_grad(loss(y_), argnums=(0, 1)))
+    split = temps(grad(y), jax.device_put(x, NamedSharding(mesh, P("dp", None))), jax.device_put(W, NamedSharding(mesh, P())))
+    local = temps(grad(y[: N // P_]), x[: N // P_], W)
+    if split > 1.1 * local + V * D * 4:
+        bad.append(("per-device temporaries", split, "against one device's local problem's", local))
 print("BAD", bad)
 print("done" if not bad else "failed")
 """
@@ -1354,7 +1380,10 @@ def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
     devices divide the classes; all-reduced where not), and every result is the float64
     reference's within bf16's tolerance, grad_weight replicated in bf16; "speed"'s
     grad_weight and grad_bias (cross-entropy, log-probabilities, top-K distillation) are one
-    device's within an ulp: the partials are summed in fp32 before any rounding."""
+    device's within an ulp: the partials are summed in fp32 before any rounding. Where one
+    block holds a device's rows, grad_weight is summed slab by slab as it is formed, never as
+    one fp32 partial; on GPUs the per-device temporaries stay within 1.1x one device's local
+    problem's plus one fp32 [V, D]."""
     done = _jax_process(["-c", ROWS_SCRIPT], "cpu", timeout=900)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
