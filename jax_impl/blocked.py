@@ -50,7 +50,7 @@ class BlockedConfig:
     fused_stats: bool  # a forward pass without gradients takes its statistics from `fused_stats.row_stats`
     tuning: Tuning
     kernel_products: bool = False  # "memory" blocks multiplied by `row_products`' kernels, not XLA
-    rows_axes: tuple = ()  # the mesh axes splitting the rows across devices (`Head.rows_axes`)
+    split_rows: object = None  # the Axes of rows split across devices (`Head.split_rows`), or None
 
     @property
     def tail_split(self) -> int:
@@ -70,19 +70,20 @@ class BlockedConfig:
 
 
 def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
-         return_lse, platform, whole_vocab: int | None = None, rows_axes: tuple = ()) -> BlockedConfig:
+         return_lse, platform, whole_vocab: int | None = None, split_rows=None) -> BlockedConfig:
     """The call's configuration: `interop.planning.plan`'s blocks ("memory": whole rows where
     PyTorch's take them, else tiles sized for XLA's temporaries, or for `row_products`'
     kernels on small heads; its forward pass without gradients from `fused_stats`);
     whole_vocab: a split head's classes (vocab: the device's; "memory" then takes one
     device's block for the whole head, whole rows included, which PyTorch's split never
-    takes); rows_axes: the rows are one device's share of rows split over these mesh axes
-    (`Head.rows_axes`; the same blocks: see `interop.blocking.one_speed_block`)."""
+    takes); split_rows: the rows are one device's share of rows split across devices, over
+    these `partitioned.Axes` (`Head.split_rows`; the same blocks: see
+    `interop.blocking.one_speed_block`)."""
     p = planning.plan(t, "jax", "cross_entropy", strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
                       accumulate_in_input_dtype, return_lse=return_lse, whole_vocab=whole_vocab)
     return BlockedConfig(options, weight_layout, strategy, p.layout, p.rows, p.cols, p.narrow_accumulator, return_lse,
                          interpret=platform != "gpu", skip_ignored=p.skip_ignored, fused_stats=p.fused_stats, tuning=t,
-                         kernel_products=p.kernel_products, rows_axes=rows_axes)
+                         kernel_products=p.kernel_products, split_rows=split_rows)
 
 
 class Problem(Head):
@@ -95,7 +96,7 @@ class Problem(Head):
         self.ops = cfg.ops
         self.wide = compute_dtype(x_ND.dtype)
         super().__init__(x_ND, W, b_V, cfg.weight_layout, cfg.block_cols,
-                         logits_dtype=self.wide if self.ops.compute_logits else None, rows_axes=cfg.rows_axes)
+                         logits_dtype=self.wide if self.ops.compute_logits else None, split_rows=cfg.split_rows)
         self.cfg = cfg
         self.cw = None if cw_V is None else cw_V.astype(self.wide)
         self.cw_sum = self.vocab if self.cw is None else self.cw.sum()

@@ -172,7 +172,7 @@ def _local(cfg: BlockedConfig, axes: Axes, x_ND, W, y_N, cw_V):
         scale = 1.0 / jax.lax.psum(rows.cw_y.sum(), axes.rows)
     local = blocked.plan(cfg.tuning, opts, cfg.weight_layout, cfg.strategy, x_ND.shape[0], x_ND.shape[1], vocab,
                          x_ND.dtype, cfg.accumulate_in_input_dtype, cfg.return_lse, "cpu" if cfg.interpret else "gpu",
-                         whole if axes.vocab else None, rows_axes=axes.rows)
+                         whole if axes.vocab else None, split_rows=axes if axes.rows else None)
     return (blocked.split_config(local) if axes.vocab else local), scale
 
 

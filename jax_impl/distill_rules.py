@@ -41,7 +41,7 @@ class DistillConfig:
     vocab: int  # the classes covered (dense: min of both heads')
     accumulate_in_input_dtype: bool  # grad_weight accumulates in the input dtype (the plan's narrow_accumulator)
     interpret: bool
-    rows_axes: tuple = ()  # the mesh axes splitting the rows across devices (`Head.rows_axes`)
+    split_rows: object = None  # the Axes of rows split across devices (`Head.split_rows`), or None
 
     @property
     def grads_in_forward(self) -> bool:
@@ -59,14 +59,14 @@ class DistillConfig:
 
     def head(self, x, W, b=None) -> Head:
         logits = compute_dtype(x.dtype) if self.ops.compute_logits else None
-        return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits, self.rows_axes)
+        return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits, self.split_rows)
 
     def local(self, n_rows: int, vocab: int, axes) -> "DistillConfig":
         """The plan for a device's rows and classes (`jax_impl.partitioned`, its `Axes`): the
         same blocks, at most its rows, whole rows staying whole."""
         cols = vocab if self.block_cols >= self.vocab else min(self.block_cols, vocab)
         return dataclasses.replace(self, block_rows=min(self.block_rows, n_rows), block_cols=cols, vocab=vocab,
-                                   rows_axes=axes.rows)
+                                   split_rows=axes if axes.rows else None)
 
     def accumulate_dtype(self, dtype):
         return dtype if self.accumulate_in_input_dtype else compute_dtype(dtype)

@@ -20,7 +20,7 @@ is x's rows; which others is the rule's), and on logits blocks z [R, C] (no bias
 The loop owns the rest once for every loss: grad_weight (and the bias') accumulators, the
 row block's fp32 grad_input summed over column blocks, the rows computed (`keep`), a head
 split over the vocabulary along a shard_map axis (grad_input summed over it), and rows
-split across devices under jit (`Head.rows_axes`: grad_weight and grad_bias summed over
+split across devices under jit (`Head.split_rows`: grad_weight and grad_bias summed over
 them, slab by slab as they are formed where one block holds every row).
 """
 
@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 
 from jax_impl.head import Head
-from jax_impl.partitioned import summed_over_rows
 from jax_impl.rows import compute_dtype, row_loop
 from jax_impl.vocab_parallel import summed_grad_input
 
@@ -70,22 +69,24 @@ class Rule:
 def _buffers(head: Head, accumulate_dtype, bias: bool, block_rows: int):
     """(dW, db) accumulators. In one row block of logits in W's dtype each element of dW is
     one product, which accumulates in fp32 and is written once in W's dtype: no wider
-    accumulator to convert (unless dW is a partial sum over devices, `Head.rows_axes`)."""
+    accumulator to convert (unless dW is a partial sum over devices, `Head.split_rows`)."""
     W, wide = head.W, compute_dtype(head.x.dtype)
-    one_product = block_rows >= head.x.shape[0] and head.logits_dtype == W.dtype and not head.rows_axes
+    one_product = block_rows >= head.x.shape[0] and head.logits_dtype == W.dtype and head.split_rows is None
     dtype = W.dtype if one_product else accumulate_dtype
     return jnp.zeros(W.shape, dtype), jnp.zeros((head.W.shape[0 if head.vd else 1],), wide) if bias else None
 
 
 def _grads(head: Head, dx, carry, axis, summed: bool = False):
     """(dx, dW, db) in W's and b's dtypes; dW and db summed over the devices splitting the
-    rows (`Head.rows_axes`) from their accumulators, unless `summed` already."""
+    rows (`Head.split_rows`) from their accumulators, unless `summed` already."""
     dW, db = carry
     dx = summed_grad_input(dx, head.x, axis)
     if summed:
         return dx, dW, db
-    total = lambda a, like: a.astype(like.dtype) if not head.rows_axes else summed_over_rows(a, head.rows_axes, like.dtype)
-    return dx, total(dW, head.W), None if db is None else total(db, head.b)
+    if head.split_rows is None:
+        return dx, dW.astype(head.W.dtype), None if db is None else db.astype(head.b.dtype)
+    summed = head.split_rows.summed
+    return dx, summed(dW, head.W.dtype, 0 if head.vd else 1), None if db is None else summed(db, head.b.dtype, 0)
 
 
 def _dx_rows(dx_R, x_R, axis):
@@ -102,7 +103,7 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
     wide = compute_dtype(head.x.dtype)
     # a device's share of rows split across devices in one block of every row and class:
     # grad_weight summed over the devices slab by slab as it is formed
-    slabs = (with_grads and bool(head.rows_axes) and block_rows >= head.x.shape[0]
+    slabs = (with_grads and head.split_rows is not None and block_rows >= head.x.shape[0]
              and head.vocab == head.W.shape[0 if head.vd else 1])
     # without gradients, a one-sweep rule's statistics are combined over the axis once, for every row
     at_once = axis is not None and not with_grads and rule.sweeps == 1 and keep is None

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 
 from interop.tuning import ROWS_SUM_SLABS
 from jax_impl.matmul import contract
-from jax_impl.partitioned import summed_over_rows
 from jax_impl.rows import unfolded_count
 from jax_impl.sharding import vary_like
 
@@ -16,15 +15,15 @@ from jax_impl.sharding import vary_like
 class Head:
     """One linear head's operands in blocks: x [N, D], W ([V, D] "VD" or [D, V] "DV"), bias;
     `vocab` may be smaller than W's (its first classes); logits in `logits_dtype` (the
-    input's dtype unless given: the fallback's fp32); rows_axes: the mesh axes splitting the
-    rows across devices under jit (`jax_impl.partitioned`), over which grad_weight and
-    grad_bias, this device's partial sums, are summed (`partitioned.summed_over_rows`) in
-    their accumulators' dtype before they are rounded to W's and b's."""
+    input's dtype unless given: the fallback's fp32); split_rows: under jit, the
+    `jax_impl.partitioned.Axes` of rows split across devices, over which grad_weight and
+    grad_bias, this device's partial sums, are summed (`Axes.summed`) in their
+    accumulators' dtype before they are rounded to W's and b's, or None."""
 
     def __init__(self, x_ND, W, b_V, weight_layout: str, block_cols: int, vocab: int | None = None, logits_dtype=None,
-                 rows_axes: tuple = ()):
+                 split_rows=None):
         self.x, self.W, self.b = x_ND, W, b_V
-        self.rows_axes = rows_axes
+        self.split_rows = split_rows
         self.vd = weight_layout == "VD"
         self.vocab = (W.shape[0] if self.vd else W.shape[1]) if vocab is None else vocab
         self.block_cols = block_cols
@@ -91,10 +90,10 @@ class Head:
 
     def summed_row_shares(self, dz, x_R, dx_dtype):
         """(dW, db, dx_R) of dz [R, V] over every row this device holds and every class of
-        the head, its rows split over `rows_axes`: grad_input's rows as `add_row_shares`
+        the head, its rows split over `split_rows`: grad_input's rows as `add_row_shares`
         gives them; grad_weight formed in slabs of the hidden dimension
         (`interop.tuning.ROWS_SUM_SLABS`), each summed over the devices as soon as it is
-        formed (`partitioned.summed_over_rows`: fp32, then rounded to W's dtype), so that
+        formed (`partitioned.Axes.summed`: fp32, then rounded to W's dtype), so that
         one slab's sum overlaps the next slab's product (the last one's, grad_input's) and
         no whole fp32 partial is held; grad_bias likewise. (Slabs all-reduced instead would
         be combined by XLA into one all-reduce of the whole partial.)"""
@@ -102,9 +101,10 @@ class Head:
         wide, hidden = _wide(dz), x_R.shape[1]
         slabs = min(ROWS_SUM_SLABS, hidden)
         edges = [hidden * k // slabs for k in range(slabs + 1)]
-        dW = jnp.concatenate([summed_over_rows(self.grad_weight_share(dz, x_R[:, a:e], wide), self.rows_axes, self.W.dtype)
-                              for a, e in zip(edges, edges[1:])], axis=1 if self.vd else 0)
-        db = None if self.b is None else summed_over_rows(dz.astype(wide).sum(0), self.rows_axes, self.b.dtype)
+        classes, summed = 0 if self.vd else 1, self.split_rows.summed
+        dW = jnp.concatenate([summed(self.grad_weight_share(dz, x_R[:, a:e], wide), self.W.dtype, classes)
+                              for a, e in zip(edges, edges[1:])], axis=1 - classes)
+        db = None if self.b is None else summed(dz.astype(wide).sum(0), self.b.dtype, 0)
         return dW, db, dx_R
 
     def col_loop(self, body, carry):

@@ -9,9 +9,10 @@ dimension never split), and the partitioner is told:
 - rows: each device computes the rows it holds (the sharding of the first row operand's
   rows, when the number of rows divides evenly); row operands and row outputs keep it.
   Outputs without rows are each device's partial sums, summed over those axes by
-  `summed_over_rows`: a reduced loss here, after the body; outputs with classes (grad_weight,
-  grad_bias) by the body itself, as it forms them (`jax_impl.head.Head.rows_axes`), so that
-  the sums overlap its products.
+  `Axes.summed`: a reduced loss here, after the body; outputs with classes (grad_weight,
+  grad_bias) by the body itself, as it forms them (`jax_impl.head.Head.split_rows`), so that
+  the sums overlap its products. Where the head's classes are sharded over those axes
+  (FSDP), those outputs are reduce-scattered to the head's sharding, never gathered.
 - classes: a head sharded on its vocabulary dimension over one mesh axis that the rows do
   not use (and that divides V evenly) is split there, where the loss can split its head
   (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
@@ -46,10 +47,31 @@ from jax_impl.rows import compute_dtype
 class Axes:
     """The mesh axes a pass runs over: `rows`, those splitting its rows (the pass sums what
     needs every row, a mean's denominator, over them); `vocab`, the axis splitting its head
-    over the vocabulary (its `vocab_parallel` axis), or None."""
+    over the vocabulary (its `vocab_parallel` axis), or None; `classes_on_rows`: the head's
+    classes are sharded over the rows' axes (an FSDP-sharded head, gathered for the
+    products): outputs with classes are then each device's slice of them."""
 
     rows: tuple = ()
     vocab: str | None = None
+    classes_on_rows: bool = False
+
+    def summed(self, g, dtype, classes: int | None = None):
+        """g, a device's partial sum over its share of the rows (in its accumulator's dtype:
+        grad_weight and grad_bias unrounded), summed over the rows' axes in fp32 (fp64 for
+        fp64), then rounded to dtype. With `classes_on_rows`, an output's dimension of
+        classes (`classes`) is reduce-scattered, and the device keeps its slice. Otherwise
+        a narrower result whose first dimension the devices divide (a 16-bit grad_weight or
+        grad_bias) is reduce-scattered in fp32, rounded, then all-gathered in its own dtype:
+        the same numbers as an fp32 all-reduce, with 3/4 of its traffic where the backend
+        gathers in that dtype (a ring all-reduce is a reduce-scatter and an all-gather, both
+        in fp32; XLA's CPU backend gathers 16-bit slices as fp32)."""
+        wide, devices = compute_dtype(dtype), jax.lax.psum(1, self.rows)
+        if self.classes_on_rows and classes is not None:
+            return jax.lax.psum_scatter(g.astype(wide), self.rows, scatter_dimension=classes, tiled=True).astype(dtype)
+        if dtype == wide or g.ndim == 0 or g.shape[0] % devices:
+            return jax.lax.psum(g.astype(wide), self.rows).astype(dtype)
+        mine = jax.lax.psum_scatter(g.astype(wide), self.rows, scatter_dimension=0, tiled=True)
+        return jax.lax.all_gather(mine.astype(dtype), self.rows, axis=0, tiled=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +173,7 @@ def _split(job: _Pass, mesh, arg_shapes) -> Axes:
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     specs, _ = _factors(job.layout)
     spec_of = lambda a: tuple(getattr(a.sharding, "spec", ()) or ())
-    rows, vocab = (), None
+    rows, vocab, classes_on_rows = (), None, False
     x = next(((a, s.split()) for a, s in zip(arg_shapes, specs) if s.split()[:1] == ["n"] and len(s.split()) > 1), None)
     if x is None:
         raise ValueError(f"a partitioned pass needs an operand of rows and another dimension, got {specs}")
@@ -161,36 +183,23 @@ def _split(job: _Pass, mesh, arg_shapes) -> Axes:
         if rows and x[0].shape[0] % size(rows):
             rows = ()  # uneven rows would be padded: compute every row everywhere instead
     head = next(((a, s.split()) for a, s in zip(arg_shapes, specs) if "v" in s.split() and len(s.split()) > 1), None)
-    if head is not None and job.layout.split_vocab:
+    if head is not None:
         dim = head[1].index("v")
         entries = spec_of(head[0])
         v_axes = _axes(entries[dim]) if len(entries) > dim else ()
-        if len(v_axes) == 1 and v_axes[0] not in rows and size(v_axes) > 1 and head[0].shape[dim] % size(v_axes) == 0:
+        even = bool(v_axes) and size(v_axes) > 1 and head[0].shape[dim] % size(v_axes) == 0
+        if job.layout.split_vocab and len(v_axes) == 1 and v_axes[0] not in rows and even:
             vocab = v_axes[0]
-    return Axes(rows, vocab)
+        classes_on_rows = bool(rows) and v_axes == rows and even
+    return Axes(rows, vocab, classes_on_rows)
 
 
-def _spec(factors: str, axes: Axes) -> P:
-    """The PartitionSpec of one operand or output."""
+def _spec(factors: str, axes: Axes, output: bool = False) -> P:
+    """The PartitionSpec of one operand or output (an output's classes on the rows' axes
+    where the head's are, `Axes.classes_on_rows`)."""
     rows = axes.rows if len(axes.rows) != 1 else axes.rows[0]
-    place = {"n": rows or None, "v": axes.vocab}
+    place = {"n": rows or None, "v": rows if output and axes.classes_on_rows else axes.vocab}
     return P(*(place.get(f) for f in factors.split()))
-
-
-def summed_over_rows(g, rows: tuple, dtype):
-    """g, a device's partial sum over its share of rows split over the mesh axes `rows` (in
-    its accumulator's dtype: grad_weight and grad_bias unrounded), summed over them in fp32
-    (fp64 for fp64), then rounded to dtype. A narrower result whose first dimension the
-    devices divide (a 16-bit grad_weight or grad_bias) is reduce-scattered in fp32, rounded,
-    then all-gathered in its own dtype: the same numbers as an fp32 all-reduce, with 3/4 of
-    its traffic where the backend gathers in that dtype (a ring all-reduce is a
-    reduce-scatter and an all-gather, both in fp32; XLA's CPU backend gathers 16-bit slices
-    as fp32)."""
-    wide, devices = compute_dtype(dtype), jax.lax.psum(1, rows)
-    if dtype == wide or g.ndim == 0 or g.shape[0] % devices:
-        return jax.lax.psum(g.astype(wide), rows).astype(dtype)
-    mine = jax.lax.psum_scatter(g.astype(wide), rows, scatter_dimension=0, tiled=True)
-    return jax.lax.all_gather(mine.astype(dtype), rows, axis=0, tiled=True)
 
 
 def _partition(job: _Pass, mesh, arg_shapes, result_shape):
@@ -201,11 +210,11 @@ def _partition(job: _Pass, mesh, arg_shapes, result_shape):
         outs = job(axes, *arrays)
         if not axes.rows:
             return outs
-        return tuple(o if {"n", "v"} & set(s.split()) else summed_over_rows(o, axes.rows, r.dtype)
+        return tuple(o if {"n", "v"} & set(s.split()) else axes.summed(o, r.dtype)
                      for o, s, r in zip(outs, out_specs, jax.tree.leaves(result_shape), strict=True))
 
-    named = lambda s: NamedSharding(mesh, _spec(s, axes))
-    return mesh, lower, tuple(map(named, out_specs)), tuple(map(named, specs))
+    named = lambda s, output=False: NamedSharding(mesh, _spec(s, axes, output))
+    return mesh, lower, tuple(named(s, True) for s in out_specs), tuple(map(named, specs))
 
 
 def _infer(job: _Pass, mesh, arg_shapes, result_shape):

@@ -673,17 +673,18 @@ def test_jax_one_speed_block_makes_grad_weight_in_its_dtype(return_lse, layout):
 
 
 def test_jax_partial_grad_weight_stays_in_its_accumulators_dtype():
-    """A device's grad_weight over its share of rows split across devices (`Head.rows_axes`)
+    """A device's grad_weight over its share of rows split across devices (`Head.split_rows`)
     accumulates in fp32, in one row block too, so the sum over devices rounds once; a whole
     call's in one block is W's dtype (bf16)."""
     import jax.numpy as jnp
 
     from jax_impl import engine
     from jax_impl.head import Head
+    from jax_impl.partitioned import Axes
 
     x, W = jnp.zeros((8, 4), jnp.bfloat16), jnp.zeros((16, 4), jnp.bfloat16)
-    for rows, dtype in (((), jnp.bfloat16), (("dp",), jnp.float32)):
-        dW, _ = engine._buffers(Head(x, W, None, "VD", 16, rows_axes=rows), jnp.float32, False, 8)
+    for rows, dtype in ((None, jnp.bfloat16), (Axes(("dp",)), jnp.float32)):
+        dW, _ = engine._buffers(Head(x, W, None, "VD", 16, split_rows=rows), jnp.float32, False, 8)
         assert dW.dtype == dtype, (rows, dW.dtype)
 
 

@@ -1315,6 +1315,14 @@ for V in (52, 51):  # 52 classes divide over 2 or 4 devices (reduce-scattered), 
         scattered = any(" reduce-scatter(" in line and f"f32[{V // P_},{D}]" in line for line in hlo)
         if scattered != (V % P_ == 0):
             bad.append((V, strategy, "grad_weight reduce-scattered" if scattered else "not reduce-scattered"))
+        if V % P_ == 0:  # an FSDP head (classes sharded as the rows): grad_weight reduce-scattered to its sharding
+            fsdp = (args[0], jax.device_put(W, NamedSharding(mesh, P("dp", None))))
+            gW_f = f(*fsdp)[1][1]
+            gathers = [line for line in f.lower(*fsdp).compile().as_text().splitlines()
+                       if re.search(r" all-gather(-start)?\(", line) and f"[{V},{D}]" in line.split(" all-gather")[0]]
+            if len(gathers) != 1 or gW_f.sharding.spec != P("dp", None) or not np.array_equal(
+                    np.asarray(gW_f, np.float32), np.asarray(gW, np.float32)):
+                bad.append((V, strategy, "FSDP head: grad_weight", gW_f.sharding.spec, "gathers of [V, D]", gathers))
         # XLA's CPU backend gathers the rounded bf16 slices as f32; a GPU's gather stays bf16
         gathered = re.compile(rf"= [^=]*bf16\[{V},{D}\][^=]* all-gather(-start)?\(")  # the gather's own result
         narrow = any(gathered.search(line) for line in hlo)
