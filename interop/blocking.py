@@ -223,8 +223,7 @@ def scratch_block_rows(t: Tuning, rows_left: int, hidden: int, vocab: int, scrat
 
 def speed_extra_bytes(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int) -> int:
     """Bytes "speed" needs beyond the gradients, at most: the fp32 dW accumulator and one
-    block of several (one block of all rows takes no more, `one_speed_block`, except a JAX
-    device's rows of rows sharded under jit, whose one block keeps an fp32 partial too)."""
+    block of several (one block of all rows takes no more, `one_speed_block`)."""
     rows = min(n_rows, _speed_rows(t, hidden, vocab, itemsize, 1, False))
     return vocab * hidden * 4 + rows * vocab * itemsize
 

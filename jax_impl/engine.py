@@ -85,8 +85,8 @@ def _grads(head: Head, dx, carry, axis, summed: bool = False):
         return dx, dW, db
     if head.split_rows is None:
         return dx, dW.astype(head.W.dtype), None if db is None else db.astype(head.b.dtype)
-    summed = head.split_rows.summed
-    return dx, summed(dW, head.W.dtype, 0 if head.vd else 1), None if db is None else summed(db, head.b.dtype, 0)
+    total = head.split_rows.summed
+    return dx, total(dW, head.W.dtype, 0 if head.vd else 1), None if db is None else total(db, head.b.dtype, 0)
 
 
 def _dx_rows(dx_R, x_R, axis):
@@ -98,7 +98,8 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
             keep=None, axis: str | None = None, tail_split: int = 1):
     """(outputs, grads): the rule's per-row outputs over all rows ([N, ...] each; rows not
     in `keep` (bool [N]) get zeros), and with `with_grads` (dx, dW, db) for an upstream
-    gradient of 1 (grad_weight accumulated in accumulate_dtype), else None. per_row: [N,
+    gradient of 1 (grad_weight accumulated in accumulate_dtype, or in fp32 slabs where a
+    device's split rows are one block, `Head.summed_row_shares`), else None. per_row: [N,
     ...] arrays, x first; axis: a split head's shard_map axis; tail_split: `row_loop`'s."""
     wide = compute_dtype(head.x.dtype)
     # a device's share of rows split across devices in one block of every row and class:

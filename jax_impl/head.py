@@ -17,8 +17,8 @@ class Head:
     `vocab` may be smaller than W's (its first classes); logits in `logits_dtype` (the
     input's dtype unless given: the fallback's fp32); split_rows: under jit, the
     `jax_impl.partitioned.Axes` of rows split across devices, over which grad_weight and
-    grad_bias, this device's partial sums, are summed (`Axes.summed`) in their
-    accumulators' dtype before they are rounded to W's and b's, or None."""
+    grad_bias, this device's partial sums, are summed (`Axes.summed`) in fp32 (fp64 for
+    fp64) before they are rounded to W's and b's, or None."""
 
     def __init__(self, x_ND, W, b_V, weight_layout: str, block_cols: int, vocab: int | None = None, logits_dtype=None,
                  split_rows=None):
@@ -99,7 +99,7 @@ class Head:
         be combined by XLA into one all-reduce of the whole partial.)"""
         dx_R = self.grad_input_share(dz, self.head_cols(0, self.vocab), dx_dtype)
         wide, hidden = _wide(dz), x_R.shape[1]
-        slabs = min(ROWS_SUM_SLABS, hidden)
+        slabs = max(1, min(ROWS_SUM_SLABS, hidden))
         edges = [hidden * k // slabs for k in range(slabs + 1)]
         classes, summed = 0 if self.vd else 1, self.split_rows.summed
         dW = jnp.concatenate([summed(self.grad_weight_share(dz, x_R[:, a:e], wide), self.W.dtype, classes)
