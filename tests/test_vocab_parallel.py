@@ -1297,7 +1297,7 @@ mesh = jax.make_mesh((P_,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
 rng = np.random.default_rng(12)
 N, D = 48, 16
 bad = []
-for V in (52, 51):  # 52 classes divide over 2 or 4 devices (reduce-scattered), 51 don't (all-reduced)
+for V in (52, 51):  # 52 classes divide over 2 or 4 devices (scattered over them), 51 don't (over D instead)
     x = rng.standard_normal((N, D)).astype(jnp.bfloat16)
     W = (rng.standard_normal((V, D)) * 0.5).astype(jnp.bfloat16)
     y = rng.integers(0, V, N).astype(np.int32)
@@ -1387,9 +1387,9 @@ print("done" if not bad else "failed")
 
 def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
     """Under jax.jit with the rows sharded over 4 CPU devices and a replicated bf16 head: the
-    partial grad_weights are reduce-scattered in fp32 and all-gathered in bf16 (where the
-    devices divide the classes; all-reduced where not), and every result is the float64
-    reference's within bf16's tolerance, grad_weight replicated in bf16; "speed"'s
+    partial grad_weights are reduce-scattered in fp32 and all-gathered in bf16 (over the
+    classes where the devices divide them, else over another dimension they divide), and
+    every result is the float64 reference's within bf16's tolerance, grad_weight replicated in bf16; "speed"'s
     grad_weight and grad_bias (cross-entropy, log-probabilities, top-K distillation) are one
     device's within an ulp: the partials are summed in fp32 before any rounding. Where one
     block holds a device's rows, grad_weight is summed slab by slab as it is formed, never as
