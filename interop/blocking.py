@@ -141,20 +141,50 @@ def xla_memory_blocks_fit(t: Tuning, n_rows: int, hidden: int, vocab: int, items
 
 def kernel_memory_block_shape(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int] | None:
     """JAX's (rows, cols) for "memory" in blocks of rows and columns whose three products are
-    its own kernels (`jax_impl.row_products`), for a small head, where fewer than
-    min(n_rows, t.min_block) rows of XLA's blocks fit (`xla_memory_block_shape`: its GEMM
-    workspace alone is more than a tenth of the gradients' bytes at S or GPT-2's head),
-    else None. The kernels hold no workspace and read W's and write grad_weight's column
-    slices in place: per row of a block its logits, its fp32 grad_input accumulator and the
-    copy of its x, with XLA's per-row temporaries within t.whole_row_fraction of the
-    gradients' bytes, as many rows as fit (`_most_rows`); None too if fewer than
-    min(n_rows, t.min_block) rows fit. On larger heads XLA's products stay: they are faster."""
-    if xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
-        return None
+    its own kernels (`jax_impl.row_products`), else None where fewer than
+    min(n_rows, t.min_block) rows fit. The kernels hold no GEMM workspace and read W's and
+    write grad_weight's column slices in place, so their blocks are larger than XLA's: per
+    row of a block its logits, its fp32 grad_input accumulator and the copy of its x, with
+    XLA's per-row temporaries within t.whole_row_fraction of the gradients' bytes, as many
+    rows as fit (`_most_rows`). At S XLA's workspace alone is more than a tenth of the
+    gradients' bytes; at 8192 x 2048 x 128256 XLA's blocks hold 256 rows and these 2816."""
     cols = min(vocab, t.xla_memory_cols)
     budget = _xla_block_budget(t, n_rows, hidden, vocab, itemsize, gemm_workspace=False)
     rows = int(max(budget, 0) // (cols * itemsize + hidden * (4 + itemsize)))
     return (_most_rows(t, n_rows, rows), cols) if rows >= min(n_rows, t.min_block) else None
+
+
+def jax_whole_row_block_rows(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int) -> int | None:
+    """JAX's rows per block of "memory" in whole rows, else None where fewer than
+    min(n_rows, t.min_last_rows) fit (XLA splits a thinner block's grad_input product over
+    the vocabulary and pads a copy of W for it: 64 rows at 8192 x 2048 x 128256 held 1.97x
+    the floor). XLA owns grad_input's buffer, so the blocks are fixed: their logits, 2 D
+    16-bit values a row (the rows' x and grad_input copies, or about what XLA's grad_input
+    product keeps of partial sums), XLA's GEMM workspace and its per-row temporaries stay
+    within t.whole_row_fraction of the gradients' bytes."""
+    rows = int(max(_xla_block_budget(t, n_rows, hidden, vocab, itemsize), 0) // ((vocab + 2 * hidden) * itemsize))
+    if rows < min(n_rows, t.min_last_rows) or n_rows <= 0:
+        return None
+    return without_a_thin_last_block(t, n_rows, min(n_rows, rows))
+
+
+def memory_plan_seconds(t: Tuning, layout: str, kernel_products: bool, rows: int, cols: int, n_rows: int,
+                        hidden: int, vocab: int, itemsize: int, grads_in_forward: bool) -> float:
+    """Estimated fwd+bwd seconds of a JAX "memory" plan, from the rates of `Tuning`'s plan_*
+    fields: its products (6 N D V with gradients formed in the forward pass over whole
+    rows, else 8 N D V: a statistics pass, then the logits again), `row_products`' at
+    t.plan_kernel_product_share of XLA's rate; a fixed cost per step of the block loop; and
+    per row block, grad_weight read and written in the input dtype (tiles: W read twice
+    more). Fitted on an H200 at D 2048 to 4096, V 32000 to 256000 (bench/NOTES.md); only
+    the order of the plans it compares matters."""
+    n_blocks = -(-n_rows // rows)
+    steps = n_blocks * -(-vocab // cols)
+    flops = (6 if layout == "rows" and grads_in_forward else 8) * n_rows * hidden * vocab
+    rate = t.plan_product_flops * (t.plan_kernel_product_share if kernel_products else 1)
+    weight_passes = 2 if layout == "rows" else 4
+    step = t.plan_row_block_seconds if layout == "rows" else t.plan_step_seconds
+    return (flops / rate + steps * step
+            + n_blocks * weight_passes * vocab * hidden * itemsize / t.plan_update_bytes_per_second)
 
 
 def whole_row_memory_scratch(t: Tuning, n_all: int, n_rows: int, hidden: int, vocab: int, itemsize: int,
@@ -183,21 +213,6 @@ def whole_row_memory_scratch(t: Tuning, n_all: int, n_rows: int, hidden: int, vo
     small_head = vocab * hidden * itemsize <= t.whole_row_head_bytes
     least = t.min_small_head_rows if small_head else t.min_whole_rows
     return scratch if first >= min(n_rows, least) else None
-
-
-def whole_row_memory_block_rows(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: int,
-                                gathered_rows: bool = False) -> int | None:
-    """JAX's rows per block of "memory" in whole rows, where PyTorch's takes them
-    (`whole_row_memory_scratch`), else None. XLA owns grad_input's buffer, so the blocks
-    are fixed: their logits, 2 D 16-bit values a row (with gathered_rows their x and
-    grad_input rows; without, about what XLA's grad_input product split over the
-    vocabulary keeps of partial sums), XLA's GEMM workspace and its per-row temporaries
-    stay within t.whole_row_fraction of the gradients' bytes."""
-    if whole_row_memory_scratch(t, n_rows, n_rows, hidden, vocab, itemsize, gathered_rows) is None:
-        return None
-    budget = _xla_block_budget(t, n_rows, hidden, vocab, itemsize)
-    rows = int(budget // ((vocab + 2 * hidden) * itemsize))
-    return without_a_thin_last_block(t, n_rows, min(n_rows, rows)) if rows >= 1 else None
 
 
 def without_a_thin_last_block(t: Tuning, n_rows: int, rows: int) -> int:

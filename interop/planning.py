@@ -9,7 +9,7 @@ shapes are interop.blocking's rules, their numbers the call's `Tuning`.
 |---|---|---|
 | "chunked" | whole rows, `chunk_rows` of them | the same |
 | "speed" | whole rows (`block_shape`); larger ones when no gradient is taken (PyTorch) | whole rows (`block_shape`) |
-| "memory" | whole rows where enough fit (`whole_row_memory_scratch` / `..._block_rows`), else tiles: PyTorch `block_shape`, JAX sized for XLA's temporaries, or its own products' on small heads | tiles (`block_shape`); JAX log-probabilities: XLA's tiles where they fit |
+| "memory" | PyTorch: whole rows where enough fit (`whole_row_memory_scratch`), else tiles (`block_shape`); JAX: of whole rows, tiles sized for XLA's temporaries and tiles of its own products, the one of least estimated time (`memory_plan_seconds`) | tiles (`block_shape`); JAX log-probabilities: XLA's tiles where they fit |
 
 "speed" takes one block of all rows where its logits fit in the bytes of a block and the fp32
 grad_weight accumulator that one block does without (`one_speed_block`; an accumulator in the
@@ -32,9 +32,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from interop.blocking import (block_shape, chunk_rows, forward_only_rows, kernel_memory_block_shape, skipping_pays,
-                              whole_row_memory_block_rows, whole_row_memory_scratch, without_a_thin_last_block,
-                              xla_memory_block_shape, xla_memory_blocks_fit)
+from interop.blocking import (block_shape, chunk_rows, forward_only_rows, jax_whole_row_block_rows,
+                              kernel_memory_block_shape, memory_plan_seconds, skipping_pays, whole_row_memory_scratch,
+                              without_a_thin_last_block, xla_memory_block_shape, xla_memory_blocks_fit)
 from interop.tuning import Tuning
 
 FRAMEWORKS = ("torch", "jax")
@@ -133,10 +133,16 @@ def _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, ret
                                  narrow_accumulator=narrow, narrow_grows=False)
         return Plan(strategy, "rows", rows, cols, narrow, skip_ignored=skip)
     memory = functools.partial(Plan, strategy, narrow_accumulator=narrow, skip_ignored=skip, fused_stats=True)
-    whole_rows = whole_row_memory_block_rows(t, n_rows, hidden, vocab, itemsize, skip)
+    plans = []
+    whole_rows = jax_whole_row_block_rows(t, n_rows, hidden, vocab, itemsize)
     if whole_rows:
-        return memory("rows", whole_rows, vocab)
+        plans.append(memory("rows", whole_rows, vocab))
+    if xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
+        plans.append(memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize)))
     kernel_shape = kernel_memory_block_shape(t, n_rows, hidden, vocab, itemsize) if itemsize <= 4 else None
     if kernel_shape:
-        return memory("tiles", *kernel_shape, kernel_products=True)
-    return memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize))
+        plans.append(memory("tiles", *kernel_shape, kernel_products=True))
+    if not plans:  # a head too small for any block of min_block rows: XLA's smallest blocks
+        return memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize))
+    return min(plans, key=lambda p: memory_plan_seconds(t, p.layout, p.kernel_products, p.rows, p.cols, n_rows, hidden,
+                                                        vocab, itemsize, grads_in_forward=not return_lse))

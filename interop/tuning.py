@@ -69,6 +69,20 @@ class Tuning:
     xla_blocks_fraction: float = 0.098
     # ... bytes a row of N of XLA's per-row temporaries there.
     xla_blocks_row_bytes: int = 16
+    # JAX "memory" takes, of its plans within the budget (whole rows, XLA's tiles, tiles of
+    # `jax_impl.row_products`), the one of least estimated time (`interop.blocking.
+    # memory_plan_seconds`), from these rates fitted on an H200 (bench/NOTES.md,
+    # 2026-11-28): XLA's bf16 products in the loops, flop/s; `row_products`' rate as a share
+    # of it; the cost of one step of a block loop (XLA's tiles at 8192 x 2048 x 128256:
+    # 2016 steps took 74 ms beyond their products) and of one block of whole rows (its row
+    # gathers, row kernel and copies: blocks of 128 rows there cost 0.45 ms each);
+    # grad_weight read and written per row block, bytes/s. Only the order of the plans
+    # matters.
+    plan_product_flops: float = 700e12
+    plan_kernel_product_share: float = 0.78
+    plan_step_seconds: float = 37e-6
+    plan_row_block_seconds: float = 150e-6
+    plan_update_bytes_per_second: float = 3.5e12
     # Rows or columns of a block, at the least.
     min_block: int = 128
     # "memory": rows and columns of a block at the least (smaller blocks leave the GPU idle).

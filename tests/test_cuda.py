@@ -212,12 +212,13 @@ def test_jax_kernel_blocks_match_reference(case, dtype):
 
 
 @pytest.mark.alone
-@pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (4096, 1024, 32000)],
-                         ids=["L", "G", "S"])
+@pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (4096, 1024, 32000),
+                                   (16384, 2048, 128256)], ids=["L", "G", "S", "Llama-3.2-1B"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_jax_large_shape_against_fp64_and_xla(strategy, shape):
-    """L, G and S presets in bf16 through jax_impl ("memory": L in XLA's whole rows, G in XLA's
-    rows x columns, S through `row_products`' kernels), on the same buffers as the torch fp64
+    """L, G, S and Llama-3.2-1B's head in bf16 through jax_impl ("memory": L in XLA's whole
+    rows, G in XLA's rows x columns, S and Llama-3.2-1B's head through `row_products`'
+    kernels), on the same buffers as the torch fp64
     spec (DLPack); gradient errors within 1.25x (speed) and 2x (memory) of naive XLA's in bf16."""
     import jax
     import jax.numpy as jnp
@@ -258,15 +259,17 @@ def _jax_fwd_bwd_bytes(loss, *shapes) -> int:
 @pytest.mark.alone
 @pytest.mark.parametrize("return_lse", [False, True], ids=["loss", "loss-and-lse"])
 @pytest.mark.parametrize("shape", [(16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936),
-                                   (4096, 1024, 32000), (4096, 768, 50257), (8192, 4096, 32000)],
-                         ids=["L", "G", "Qwen2-7B", "S", "GPT-2", "Llama-2-7B"])
+                                   (4096, 1024, 32000), (4096, 768, 50257), (8192, 4096, 32000),
+                                   (8192, 2048, 128256)],
+                         ids=["L", "G", "Qwen2-7B", "S", "GPT-2", "Llama-2-7B", "Llama-3.2-1B"])
 def test_jax_memory_strategy_within_its_bound(shape, return_lse):
     """JAX "memory" in bf16 with 10% of the targets ignored: what XLA's compiled fwd+bwd needs
     beyond its arguments (temporaries + outputs) stays within the memory-first bound, 1.10 x
     the gradients' bytes + 16 bytes a row, also when lse is returned (no rows skipped: the
     row loop ends in a smaller block, which XLA must not give a call of its own, nor a thin
-    block a padded copy of W), and for heads too small for XLA's GEMM
-    workspace (S, GPT-2, Llama-2-7B: blocks through `row_products`' kernels)."""
+    block a padded copy of W), and where blocks through `row_products`' kernels are the
+    plan (S, GPT-2, Llama-2-7B: XLA's GEMM workspace is over a tenth of the gradients'
+    bytes; Llama-3.2-1B's head: XLA's blocks would be thin)."""
     import jax.numpy as jnp
 
     import jax_impl

@@ -170,7 +170,9 @@ def test_memory_takes_whole_rows_where_enough_fit():
     """interop.blocking.whole_row_memory_scratch (default tuning): L's "memory" in whole rows, its scratch plus
     the first block's row copies within 9.3% of the floor (the memory-first bound is
     10% + 16 bytes a row), blocks growing into grad_input's unwritten rows (800 rows first,
-    352 near the end); G's in rows and columns; a call whose rows all fit in one block."""
+    352 near the end); G's in rows and columns; a call whose rows all fit in one block.
+    JAX's fixed whole-row blocks: 250 rows at L, none at 8192 x 2048 x 128256 (60 would fit,
+    thinner than Tuning.min_last_rows)."""
     import interop.blocking as blocking
 
     t = DEFAULT
@@ -185,8 +187,8 @@ def test_memory_takes_whole_rows_where_enough_fit():
     floor = (n_all + V) * D
     assert scratch + 2 * sizes[0] * D <= t.whole_row_fraction * floor < 0.1 * floor
     assert blocking.whole_row_memory_scratch(t, 8192, 8192, 2304, 256000, 2) is None
-    assert blocking.whole_row_memory_block_rows(t, n_all, D, V, 2, gathered_rows=True) == 250  # JAX: fixed blocks
-    assert blocking.whole_row_memory_block_rows(t, 8192, 2304, 256000, 2, gathered_rows=True) is None
+    assert blocking.jax_whole_row_block_rows(t, n_all, D, V, 2) == 250  # JAX: fixed blocks
+    assert blocking.jax_whole_row_block_rows(t, 8192, 2048, V, 2) is None  # 60 rows: thinner than min_last_rows
     assert blocking.xla_memory_block_shape(t, 8192, 2304, 256000, 2) == (3712, 2048)  # JAX at G: 2 blocks of its kept rows
     assert blocking.whole_row_memory_scratch(t, 100, 100, 4096, V, 2) == 100 * V
     assert blocking.scratch_block_rows(t, 100, 4096, V, 100 * V) == 100
@@ -293,11 +295,14 @@ def test_jax_memory_in_kernel_blocks_matches_reference(case, dtype, layout):
     check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
 
 
-def test_jax_memory_plans_kernel_products_only_for_small_heads():
-    """interop.blocking.kernel_memory_block_shape at the default tuning: S, GPT-2's and
-    Llama-2-7B's heads (XLA's GEMM workspace alone is over a tenth of their gradients'
-    bytes) take blocks of rows and columns through `row_products`; L keeps XLA's whole rows,
-    G XLA's rows x columns; a head too small for even Tuning.min_block rows keeps XLA's
+def test_jax_memory_plans_take_the_least_estimated_time():
+    """interop.planning's JAX cross-entropy "memory" (default tuning): of whole rows, XLA's
+    tiles and `row_products`' tiles within the budget, the plan of least
+    `memory_plan_seconds`. S, GPT-2's and Llama-2-7B's heads (XLA's GEMM workspace alone is
+    over a tenth of their gradients' bytes) and Llama-3.2-1B's head at 8192 and 16384 rows
+    (XLA's tiles hold 256 and 384 rows, whole rows fewer than 128: on an H200 98.4 and 231
+    ms against 38.7 and 77.9 through the kernels) take `row_products`' tiles; L and Q XLA's
+    whole rows; G XLA's tiles; a head too small for even Tuning.min_block rows XLA's
     smallest blocks."""
     import jax.numpy as jnp
 
@@ -312,9 +317,32 @@ def test_jax_memory_plans_kernel_products_only_for_small_heads():
     assert planned(4096, 1024, 32000) == ("tiles", True, 384, 2048)  # S
     assert planned(4096, 768, 50257) == ("tiles", True, 640, 2048)  # GPT-2
     assert planned(8192, 4096, 32000) == ("tiles", True, 896, 2048)  # Llama-2-7B
+    assert planned(8192, 2048, 128256) == ("tiles", True, 2816, 2048)  # Llama-3.2-1B
+    assert planned(16384, 2048, 128256) == ("tiles", True, 2816, 2048)
     assert planned(16384, 4096, 128256) == ("rows", False, 250, 128256)  # L: XLA's whole rows
+    assert planned(4096, 4096, 128256) == ("rows", False, 233, 128256)  # Q
     assert planned(8192, 2304, 256000) == ("tiles", False, 3712, 2048)  # G
     assert planned(1024, 128, 16000) == ("tiles", False, 128, 2048)
+
+
+def test_jax_memory_plan_estimates():
+    """interop.blocking.memory_plan_seconds (default tuning) orders the plans as measured on
+    an H200 (bench/NOTES.md, 2026-11-28): at 8192 x 2048 x 128256 whole rows of 256 (30.4
+    ms) < the kernels' tiles of 2816 (38.7) < whole rows of 128 (47.6) < XLA's tiles of 256
+    (98.4); at G XLA's tiles of 3712 (65.7) < whole rows of 144 (93.9); and
+    whole rows recomputed in the backward pass cost a third more products."""
+    from interop.blocking import memory_plan_seconds
+
+    def seconds(layout, kernel, rows, cols, n, d, v, forward=True):
+        return memory_plan_seconds(DEFAULT, layout, kernel, rows, cols, n, d, v, 2, forward)
+
+    h = (8192, 2048, 128256)
+    order = [seconds("rows", False, 256, 128256, *h), seconds("tiles", True, 2816, 2048, *h),
+             seconds("rows", False, 128, 128256, *h), seconds("tiles", False, 256, 2048, *h)]
+    assert order == sorted(order)
+    g = (8192, 2304, 256000)
+    assert seconds("tiles", False, 3712, 2048, *g) < seconds("rows", False, 144, 256000, *g)
+    assert seconds("rows", False, 256, 128256, *h, forward=False) > seconds("rows", False, 256, 128256, *h)
 
 
 @pytest.mark.parametrize("layout", ["VD", "DV"])
