@@ -9,7 +9,7 @@ shapes are interop.blocking's rules, their numbers the call's `Tuning`.
 |---|---|---|
 | "chunked" | whole rows, `chunk_rows` of them | the same |
 | "speed" | whole rows (`block_shape`); larger ones when no gradient is taken (PyTorch) | whole rows (`block_shape`) |
-| "memory" | PyTorch: whole rows where enough fit (`whole_row_memory_scratch`), else tiles (`block_shape`); JAX: of whole rows, tiles sized for XLA's temporaries and tiles of its own products, the one of least estimated time (`memory_plan_seconds`) | tiles (`block_shape`); JAX log-probabilities: XLA's tiles where they fit |
+| "memory" | PyTorch: whole rows where enough fit (`whole_row_memory_scratch`), else tiles (`block_shape`); JAX: of whole rows, tiles sized for XLA's temporaries and tiles of its own products, the one of least estimated time (`memory_plan_seconds`) | tiles (`block_shape`); JAX log-probabilities: XLA's or its own products' tiles, the faster estimate, where either fits |
 
 "speed" takes one block of all rows where its logits fit in the bytes of a block and the fp32
 grad_weight accumulator that one block does without (`one_speed_block`; an accumulator in the
@@ -101,9 +101,11 @@ def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidde
                                     forward_only, whole_vocab is not None, filtered)
     if loss == "cross_entropy":
         return _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse)
-    if framework == "jax" and loss == "log_probs" and strategy == "memory" and \
-            xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
-        return Plan(strategy, "tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize), narrow)
+    if framework == "jax" and loss == "log_probs" and strategy == "memory":
+        plans = _jax_memory_plans(t, n_rows, hidden, vocab, itemsize, functools.partial(Plan, strategy,
+                                                                                      narrow_accumulator=narrow))
+        if plans:  # its gradients come in the backward pass: computed again there
+            return _fastest(t, plans, n_rows, hidden, vocab, itemsize, grads_in_forward=False)
     # PyTorch's rows may be gathered; JAX's block steps read them in place
     rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, buffers,
                              gathered_rows=gathered_rows and framework == "torch",
@@ -133,16 +135,27 @@ def _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, ret
                                  narrow_accumulator=narrow, narrow_grows=False)
         return Plan(strategy, "rows", rows, cols, narrow, skip_ignored=skip)
     memory = functools.partial(Plan, strategy, narrow_accumulator=narrow, skip_ignored=skip, fused_stats=True)
-    plans = []
     whole_rows = jax_whole_row_block_rows(t, n_rows, hidden, vocab, itemsize)
-    if whole_rows:
-        plans.append(memory("rows", whole_rows, vocab))
+    plans = ([memory("rows", whole_rows, vocab)] if whole_rows else []) + \
+        _jax_memory_plans(t, n_rows, hidden, vocab, itemsize, memory)
+    if not plans:  # a head too small for any block of min_block rows: XLA's smallest blocks
+        return memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize))
+    return _fastest(t, plans, n_rows, hidden, vocab, itemsize, grads_in_forward=not return_lse)
+
+
+def _jax_memory_plans(t, n_rows, hidden, vocab, itemsize, memory) -> list[Plan]:
+    """JAX "memory"'s tiles within its budget (`memory` makes a Plan of a layout and a
+    block): XLA's, and `row_products`' (not for fp64)."""
+    plans = []
     if xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
         plans.append(memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize)))
     kernel_shape = kernel_memory_block_shape(t, n_rows, hidden, vocab, itemsize) if itemsize <= 4 else None
     if kernel_shape:
         plans.append(memory("tiles", *kernel_shape, kernel_products=True))
-    if not plans:  # a head too small for any block of min_block rows: XLA's smallest blocks
-        return memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize))
+    return plans
+
+
+def _fastest(t, plans, n_rows, hidden, vocab, itemsize, grads_in_forward: bool) -> Plan:
+    """The plan of least `memory_plan_seconds`."""
     return min(plans, key=lambda p: memory_plan_seconds(t, p.layout, p.kernel_products, p.rows, p.cols, n_rows, hidden,
-                                                        vocab, itemsize, grads_in_forward=not return_lse))
+                                                        vocab, itemsize, grads_in_forward))

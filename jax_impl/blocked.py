@@ -9,10 +9,9 @@ inputs, blocks of whole rows, chunk_rows each). `jax_impl.cross_entropy_rule` ru
 - "memory": the forward pass takes its statistics from `jax_impl.fused_stats`, which forms
   no logits block; blocks of rows and vocabulary columns in the backward pass, grad_input
   of a row block accumulated in fp32 over its column blocks, grad_weight in the input
-  dtype. Where enough whole rows fit, "memory" runs as "speed" in those blocks with
-  grad_weight in the input dtype; on a head too small for XLA's products within the
-  memory-first bound (their GEMM workspace), the blocks of rows and columns are multiplied
-  by `jax_impl.row_products`' kernels.
+  dtype; the blocks' products XLA's or `jax_impl.row_products`' kernels. Or "memory" runs
+  as "speed" in blocks of whole rows with grad_weight in the input dtype: of these plans
+  within its memory the planner takes the one of least estimated time.
 A large call without a returned lse (interop.blocking.skipping_pays) computes only the row
 blocks that hold rows whose target is not ignored, those rows first (`jax_impl.rows.row_loop`
 with `keep`): as PyTorch's kernels, the other rows get no logits and a zero grad_input.
@@ -27,7 +26,6 @@ import jax.numpy as jnp
 from interop import planning
 from interop.options import CrossEntropyOptions
 from interop.tuning import Tuning
-from jax_impl import row_products
 from jax_impl.head import Head
 from jax_impl.rows import TargetRows, compute_dtype
 from jax_impl.steps import steps_of
@@ -71,9 +69,9 @@ class BlockedConfig:
 
 def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dtype, accumulate_in_input_dtype,
          return_lse, platform, whole_vocab: int | None = None, split_rows=None) -> BlockedConfig:
-    """The call's configuration: `interop.planning.plan`'s blocks ("memory": whole rows where
-    PyTorch's take them, else tiles sized for XLA's temporaries, or for `row_products`'
-    kernels on small heads; its forward pass without gradients from `fused_stats`);
+    """The call's configuration: `interop.planning.plan`'s blocks ("memory": whole rows,
+    tiles sized for XLA's temporaries or tiles for `row_products`' kernels, the least
+    estimated time; its forward pass without gradients from `fused_stats`);
     whole_vocab: a split head's classes (vocab: the device's; "memory" then takes one
     device's block for the whole head, whole rows included, which PyTorch's split never
     takes); split_rows: the rows are one device's share of rows split across devices, over
@@ -87,36 +85,22 @@ def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dty
 
 
 class Problem(Head):
-    """A cross-entropy call: the head in cfg's column blocks plus the options, target facts
-    and block steps; per-row values in `wide` (fp32, fp64 for fp64 inputs), the logits too
-    for steps that compute on them (XlaOps); its column blocks' products are `row_products`'
-    kernels with cfg.kernel_products."""
+    """A cross-entropy call: the head in cfg's column blocks (through `row_products`' kernels
+    with cfg.kernel_products) plus the options, target facts and block steps; per-row
+    values in `wide` (fp32, fp64 for fp64 inputs), the logits too for steps that compute on
+    them (XlaOps)."""
 
     def __init__(self, x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig):
         self.ops = cfg.ops
         self.wide = compute_dtype(x_ND.dtype)
         super().__init__(x_ND, W, b_V, cfg.weight_layout, cfg.block_cols,
-                         logits_dtype=self.wide if self.ops.compute_logits else None, split_rows=cfg.split_rows)
+                         logits_dtype=self.wide if self.ops.compute_logits else None, split_rows=cfg.split_rows,
+                         kernel_products=cfg.kernel_products, interpret=cfg.interpret)
         self.cfg = cfg
         self.cw = None if cw_V is None else cw_V.astype(self.wide)
         self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
         self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, self.wide)
         self.keep = self.rows.valid if cfg.skip_ignored else None  # the rows row_loop must compute
-
-    def col_logits(self, x_RD, v0, cols: int):
-        if not self.cfg.kernel_products:
-            return super().col_logits(x_RD, v0, cols)
-        return row_products.logits(x_RD, self.W, v0, cols, self.vd, self.cfg.interpret)
-
-    def add_grad_input_share(self, dx_acc, dz, v0, cols: int):
-        if not self.cfg.kernel_products:
-            return super().add_grad_input_share(dx_acc, dz, v0, cols)
-        return row_products.add_grad_input(dx_acc, dz, self.W, v0, self.vd, self.cfg.interpret)
-
-    def add_weight_share(self, dW, dz, x_R, v0, cols: int):
-        if not self.cfg.kernel_products:
-            return super().add_weight_share(dW, dz, x_R, v0, cols)
-        return row_products.add_grad_weight(dW, dz, x_R, v0, self.vd, self.cfg.interpret)
 
 
 def split_config(cfg: BlockedConfig) -> BlockedConfig:

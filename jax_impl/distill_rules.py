@@ -42,6 +42,7 @@ class DistillConfig:
     accumulate_in_input_dtype: bool  # grad_weight accumulates in the input dtype (the plan's narrow_accumulator)
     interpret: bool
     split_rows: object = None  # the Axes of rows split across devices (`Head.split_rows`), or None
+    kernel_products: bool = False  # "memory" blocks multiplied by `row_products`' kernels, not XLA
 
     @property
     def grads_in_forward(self) -> bool:
@@ -59,7 +60,8 @@ class DistillConfig:
 
     def head(self, x, W, b=None) -> Head:
         logits = compute_dtype(x.dtype) if self.ops.compute_logits else None
-        return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits, self.split_rows)
+        return Head(x, W, b, self.weight_layout, self.block_cols, self.vocab, logits, self.split_rows,
+                    self.kernel_products, self.interpret)
 
     def local(self, n_rows: int, vocab: int, axes) -> "DistillConfig":
         """The plan for a device's rows and classes (`jax_impl.partitioned`, its `Axes`): the
@@ -82,7 +84,7 @@ def plan_steps(t: Tuning, loss: str, options, weight_layout, strategy, n_rows, h
     p = planning.plan(t, "jax", loss, strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
                       accumulate_in_input_dtype, buffers=buffers, whole_vocab=whole_vocab)
     return DistillConfig(options, weight_layout, strategy, p.rows, p.cols, vocab, p.narrow_accumulator,
-                         interpret=platform != "gpu")
+                         interpret=platform != "gpu", kernel_products=p.kernel_products)
 
 
 def _vocab(W, cfg: DistillConfig) -> int:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from interop.tuning import ROWS_SUM_SLABS
+from jax_impl import row_products
 from jax_impl.matmul import contract
 from jax_impl.rows import unfolded_count
 from jax_impl.sharding import vary_like
@@ -18,12 +19,15 @@ class Head:
     input's dtype unless given: the fallback's fp32); split_rows: under jit, the
     `jax_impl.partitioned.Axes` of rows split across devices, over which grad_weight and
     grad_bias, this device's partial sums, are summed (`Axes.summed`) in fp32 (fp64 for
-    fp64) before they are rounded to W's and b's, or None."""
+    fp64) before they are rounded to W's and b's, or None; kernel_products: a column
+    block's three products are `jax_impl.row_products`' kernels (Pallas interpret mode with
+    interpret), which read W's and write grad_weight's columns in place, else XLA's."""
 
     def __init__(self, x_ND, W, b_V, weight_layout: str, block_cols: int, vocab: int | None = None, logits_dtype=None,
-                 split_rows=None):
+                 split_rows=None, kernel_products: bool = False, interpret: bool = False):
         self.x, self.W, self.b = x_ND, W, b_V
         self.split_rows = split_rows
+        self.kernel_products, self.interpret = kernel_products, interpret
         self.vd = weight_layout == "VD"
         self.vocab = (W.shape[0] if self.vd else W.shape[1]) if vocab is None else vocab
         self.block_cols = block_cols
@@ -55,14 +59,20 @@ class Head:
 
     def col_logits(self, x_RD, v0, cols: int):
         """The logits of W's columns v0..v0+cols: [R, cols] (`logits`)."""
+        if self.kernel_products:
+            return row_products.logits(x_RD, self.W, v0, cols, self.vd, self.interpret)
         return self.logits(x_RD, self.head_cols(v0, cols))
 
     def add_grad_input_share(self, dx_acc, dz, v0, cols: int):
         """dx_acc (fp32 [R, D]) plus dz [R, cols] times W's columns v0..v0+cols."""
+        if self.kernel_products:
+            return row_products.add_grad_input(dx_acc, dz, self.W, v0, self.vd, self.interpret)
         return dx_acc + self.grad_input_share(dz, self.head_cols(v0, cols))
 
     def add_weight_share(self, dW, dz, x_R, v0, cols: int):
         """dW with dz^T x [cols, D] (x^T dz for "DV") added to its columns v0..v0+cols."""
+        if self.kernel_products:
+            return row_products.add_grad_weight(dW, dz, x_R, v0, self.vd, self.interpret)
         axis = 0 if self.vd else 1
         dW_c = jax.lax.dynamic_slice_in_dim(dW, v0, cols, axis=axis)
         return jax.lax.dynamic_update_slice_in_dim(dW, dW_c + self.grad_weight_share(dz, x_R, dW.dtype), v0, axis=axis)

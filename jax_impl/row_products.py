@@ -1,11 +1,13 @@
 """The three matrix products of JAX "memory"'s blocks of rows and vocabulary columns as
-Pallas kernels (Triton lowering, fp32 accumulation), for heads too small for XLA's products
-(`interop.blocking.kernel_memory_block_shape`): those keep a cuBLAS workspace among the
-temporaries (`Tuning.xla_gemm_workspace`), alone more than the memory-first bound's tenth
-of the gradients' bytes at small heads (GPT-2's, Llama-2-7B's), and copy each column
-block's slice of W. These kernels hold no workspace and read W, and write grad_weight, in
-place at the block's first class v0 (an int or an int32 scalar). On larger heads XLA's
-products stay: they are faster.
+Pallas kernels (Triton lowering, fp32 accumulation; `jax_impl.head.Head` with
+kernel_products, sized by `interop.blocking.kernel_memory_block_shape`). XLA's products keep
+a cuBLAS workspace among the temporaries (`Tuning.xla_gemm_workspace`), alone more than the
+memory-first bound's tenth of the gradients' bytes at small heads (GPT-2's, Llama-2-7B's),
+and copy each column block's slice of W, so that at D 2048 XLA's blocks hold a few hundred
+rows and their loop steps cost more than their products. These kernels hold no workspace
+and read W, and write grad_weight, in place at the block's first class v0 (an int or an
+int32 scalar), so their blocks hold thousands of rows; their products run about a fifth
+slower than cuBLAS, and the planner weighs both (`interop.blocking.memory_plan_seconds`).
 
 - `logits(x_RD, W, v0, cols)`: z = x W_c^T [R, cols] in x's dtype.
 - `add_grad_input(dx_RD, dz_RC, W, v0)`: dx + dz W_c into the fp32 accumulator dx.

@@ -286,10 +286,12 @@ def test_same_arguments_and_defaults_in_both_frameworks():
 
 
 def test_jax_memory_blocks_are_sized_for_xla():
-    """JAX "memory" takes cross-entropy's rows x columns blocks sized for what XLA holds
-    beyond the gradients (interop.blocking.xla_memory_block_shape; 1.10x the floor at RL on
-    an H200, where the distillation losses' blocks hold 1.21x). A head too small for them
-    (XLA's GEMM workspace alone over the budget) keeps the distillation blocks."""
+    """JAX "memory" takes cross-entropy's rows x columns blocks: XLA's, sized for what XLA
+    holds beyond the gradients (interop.blocking.xla_memory_block_shape; 1.10x the floor at
+    RL on an H200, where the distillation losses' blocks hold 1.21x), or `row_products`'
+    where their estimate is less (Llama-3.2-1B's head: XLA's blocks would hold 384 rows,
+    the kernels' 2816). A head too small for either (XLA's GEMM workspace alone over the
+    budget) keeps the distillation blocks."""
     import jax.numpy as jnp
 
     from interop import blocking
@@ -301,9 +303,11 @@ def test_jax_memory_blocks_are_sized_for_xla():
     for n, d, v in ((32768, 4096, 151936), (16384, 4096, 128256)):
         cfg = plan_steps(DEFAULT, "log_probs", o, "VD", "memory", n, d, v, jnp.bfloat16, False, "gpu")
         assert (cfg.block_rows, cfg.block_cols) == blocking.xla_memory_block_shape(DEFAULT, n, d, v, 2)
-        assert cfg.block_cols < v and cfg.strategy == "memory"
+        assert cfg.block_cols < v and cfg.strategy == "memory" and not cfg.kernel_products
         speed = plan_steps(DEFAULT, "log_probs", o, "VD", "speed", n, d, v, jnp.bfloat16, False, "gpu")
         assert speed == plan_steps(DEFAULT, "distillation", o, "VD", "speed", n, d, v, jnp.bfloat16, False, "gpu")
+    cfg = plan_steps(DEFAULT, "log_probs", o, "VD", "memory", 16384, 2048, 128256, jnp.bfloat16, False, "gpu")
+    assert (cfg.block_rows, cfg.block_cols, cfg.kernel_products) == (2816, 2048, True)
     small = (1000, 257, 5003)
     assert not blocking.xla_memory_blocks_fit(DEFAULT, *small, 2)
     assert plan_steps(DEFAULT, "log_probs", o, "VD", "memory", *small, jnp.bfloat16, False, "gpu") == plan_steps(
@@ -329,6 +333,28 @@ def test_jax_memory_in_xla_blocks_matches_reference(case):
                          jnp.dtype(dtype), False, "gpu")
         assert (cfg.block_rows, cfg.block_cols) == (4, 8), (cfg.block_rows, cfg.block_cols)
         got = run_jax(p, options, g_lp, g_H, "memory", XLA_BLOCKS)
+        check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{case}, {dtype}")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_jax_memory_in_kernel_blocks_matches_reference(case):
+    """JAX "memory" in blocks of 4 rows x 8 columns through `row_products`' kernels (XLA's
+    GEMM workspace counted as 1 TiB, the budget 4.5 rows of the kernels' blocks), the last
+    ones partial, against the float64 reference, bf16 and fp32."""
+    import jax.numpy as jnp
+
+    from interop.log_probs import LogProbsOptions
+    from jax_impl.distill_rules import plan_steps
+
+    for dtype in ("bfloat16", "float32"):
+        p, options, g_lp, g_H = _problem(case, dtype)
+        n, d, v, itemsize = p.y.size, p.x.shape[-1], p.vocab, jnp.dtype(dtype).itemsize
+        row_bytes = 8 * itemsize + d * (4 + itemsize)  # logits, fp32 grad_input accumulator, x
+        t = dataclasses.replace(SMALL, xla_gemm_workspace=1 << 40,
+                                whole_row_fraction=4.5 * row_bytes / ((n + v) * d * itemsize))
+        cfg = plan_steps(t, "log_probs", LogProbsOptions(), "VD", "memory", n, d, v, jnp.dtype(dtype), False, "gpu")
+        assert (cfg.block_rows, cfg.block_cols, cfg.kernel_products) == (4, 8, True)
+        got = run_jax(p, options, g_lp, g_H, "memory", t)
         check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{case}, {dtype}")
 
 
