@@ -60,18 +60,19 @@ class Axes:
         grad_weight and grad_bias unrounded), summed over the rows' axes in fp32 (fp64 for
         fp64), then rounded to dtype. With `classes_on_rows`, an output's dimension of
         classes (`classes`) is reduce-scattered, and the device keeps its slice. Otherwise
-        a narrower result with a dimension the devices divide (a 16-bit grad_weight or
-        grad_bias) is reduce-scattered over it in fp32, rounded, then all-gathered in its
-        own dtype: the same numbers as an fp32 all-reduce, with 3/4 of its traffic where the
-        backend gathers in that dtype (a ring all-reduce is a reduce-scatter and an
-        all-gather, both in fp32; XLA's CPU backend gathers 16-bit slices as fp32); and XLA
-        keeps such collectives apart, where it would merge all-reduces of slabs formed one
-        after the other into one after the last (`jax_impl.head.Head.summed_row_shares`)."""
+        a result with a dimension the devices divide is reduce-scattered over it in fp32,
+        rounded, then all-gathered in its own dtype: the same numbers as an fp32
+        all-reduce, with 3/4 of its traffic for a 16-bit result where the backend gathers
+        in that dtype (a ring all-reduce is a reduce-scatter and an all-gather, both in
+        fp32; XLA's CPU backend gathers 16-bit slices as fp32); and XLA keeps such
+        collectives apart, where it would merge all-reduces of slabs formed one after the
+        other into one after the last (`jax_impl.head.Head.summed_row_shares`), for fp32
+        results too."""
         wide, devices = compute_dtype(dtype), jax.lax.psum(1, self.rows)
         if self.classes_on_rows and classes is not None:
             return jax.lax.psum_scatter(g.astype(wide), self.rows, scatter_dimension=classes, tiled=True).astype(dtype)
         dim = next((d for d, n in enumerate(g.shape) if n % devices == 0), None)
-        if dtype == wide or dim is None:
+        if dim is None:
             return jax.lax.psum(g.astype(wide), self.rows).astype(dtype)
         mine = jax.lax.psum_scatter(g.astype(wide), self.rows, scatter_dimension=dim, tiled=True)
         return jax.lax.all_gather(mine.astype(dtype), self.rows, axis=dim, tiled=True)

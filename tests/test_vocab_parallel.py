@@ -1360,14 +1360,19 @@ for V in (52, 51):  # 52 classes divide over 2 or 4 devices (scattered over them
     # (a GPU compiler may combine collectives this small into one)
     f = jax.jit(jax.grad(lambda x_, W_: jax_impl.linear_cross_entropy(x_, W_, jnp.asarray(y), strategy="speed",
                                                                        tuning=one_block), argnums=1))
-    hlo = f.lower(*args).compile().as_text().splitlines()
-    results = [re.split(r" (reduce-scatter|all-reduce)\(", line)[0] for line in hlo
-               if " reduce-scatter(" in line or " all-reduce(" in line]
-    # each slab reduce-scattered over a dimension the devices divide: the classes, else its columns
-    slab = f"f32[{V // P_},{D // ROWS_SUM_SLABS}]" if V % P_ == 0 else f"f32[{V},{D // ROWS_SUM_SLABS // P_}]"
-    slabs = sum(slab in r for r in results)
-    if not gpu and (slabs != ROWS_SUM_SLABS or any(f"f32[{V // P_},{D}]" in r or f"f32[{V},{D}]" in r for r in results)):
-        bad.append((V, "one block: grad_weight summed over the devices in", slabs, "slabs", results))
+    # a bf16 head, and an fp32 one (its slabs reduce-scattered and gathered in fp32: XLA
+    # would merge their all-reduces into one after the last slab)
+    for head_args in (args, tuple(a.astype(jnp.float32) for a in args)):
+        hlo = f.lower(*head_args).compile().as_text().splitlines()
+        results = [re.split(r" (reduce-scatter|all-reduce)\(", line)[0] for line in hlo
+                   if " reduce-scatter(" in line or " all-reduce(" in line]
+        # each slab reduce-scattered over a dimension the devices divide: the classes, else its columns
+        slab = f"f32[{V // P_},{D // ROWS_SUM_SLABS}]" if V % P_ == 0 else f"f32[{V},{D // ROWS_SUM_SLABS // P_}]"
+        slabs = sum(slab in r for r in results)
+        if not gpu and (slabs != ROWS_SUM_SLABS or any(f"f32[{V // P_},{D}]" in r or f"f32[{V},{D}]" in r
+                                                       for r in results)):
+            bad.append((V, head_args[1].dtype, "one block: grad_weight summed over the devices in", slabs, "slabs",
+                        results))
 if gpu:  # per-device temporaries: a device's own problem's, plus no more than one fp32 [V, D] crossing
     N, D, V = 16384, 512, 32768  # a device's logits 4x its fp32 [V, D] partial, as at L
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
@@ -1393,7 +1398,7 @@ def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
     grad_weight and grad_bias (cross-entropy, log-probabilities, top-K distillation) are one
     device's within an ulp: the partials are summed in fp32 before any rounding. Where one
     block holds a device's rows, grad_weight is summed slab by slab as it is formed, never as
-    one fp32 partial; on GPUs the per-device temporaries stay within 1.1x one device's local
+    one fp32 partial, for a bf16 and an fp32 head; on GPUs the per-device temporaries stay within 1.1x one device's local
     problem's plus one fp32 [V, D]."""
     done = _jax_process(["-c", ROWS_SCRIPT], "cpu", timeout=900)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
