@@ -158,14 +158,15 @@ def jax_whole_row_block_rows(t: Tuning, n_rows: int, hidden: int, vocab: int, it
     """JAX's rows per block of "memory" in whole rows, else None where fewer than
     min(n_rows, t.min_last_rows) fit (XLA splits a thinner block's grad_input product over
     the vocabulary and pads a copy of W for it: 64 rows at 8192 x 2048 x 128256 held 1.97x
-    the floor). XLA owns grad_input's buffer, so the blocks are fixed: their logits, 2 D
+    the floor), or where every block size leaves so thin a last block. XLA owns grad_input's buffer, so the blocks are fixed: their logits, 2 D
     16-bit values a row (the rows' x and grad_input copies, or about what XLA's grad_input
     product keeps of partial sums), XLA's GEMM workspace and its per-row temporaries stay
     within t.whole_row_fraction of the gradients' bytes."""
     rows = int(max(_xla_block_budget(t, n_rows, hidden, vocab, itemsize), 0) // ((vocab + 2 * hidden) * itemsize))
     if rows < min(n_rows, t.min_last_rows) or n_rows <= 0:
         return None
-    return without_a_thin_last_block(t, n_rows, min(n_rows, rows))
+    rows = without_a_thin_last_block(t, n_rows, min(n_rows, rows))
+    return None if 0 < n_rows % rows < min(rows, t.min_last_rows) else rows  # no block count ends full
 
 
 def memory_plan_seconds(t: Tuning, layout: str, kernel_products: bool, rows: int, cols: int, n_rows: int,
@@ -177,8 +178,8 @@ def memory_plan_seconds(t: Tuning, layout: str, kernel_products: bool, rows: int
     per row block, grad_weight read and written in the input dtype (tiles: W read twice
     more). Fitted on an H200 at D 2048 to 4096, V 32000 to 256000 (bench/NOTES.md); only
     the order of the plans it compares matters."""
-    n_blocks = -(-n_rows // rows)
-    steps = n_blocks * -(-vocab // cols)
+    n_blocks = -(-n_rows // max(rows, 1))
+    steps = n_blocks * -(-vocab // max(cols, 1))
     flops = (6 if layout == "rows" and grads_in_forward else 8) * n_rows * hidden * vocab
     rate = t.plan_product_flops * (t.plan_kernel_product_share if kernel_products else 1)
     weight_passes = 2 if layout == "rows" else 4

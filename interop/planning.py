@@ -50,7 +50,7 @@ class Plan:
     grad_input (whole-row "memory", 0: none); skip_ignored: JAX computes only the row blocks
     holding rows whose target is not ignored (PyTorch gathers those rows before planning);
     fused_stats: JAX's "memory" forward pass takes its statistics without a logits block;
-    kernel_products: JAX's tiles are multiplied by its own kernels (small heads)."""
+    kernel_products: JAX's tiles are multiplied by its own kernels (`jax_impl.row_products`)."""
 
     strategy: str
     layout: str
@@ -66,12 +66,15 @@ class Plan:
 def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidden: int, vocab: int, itemsize: int,
          accumulate_in_input_dtype: bool, *, buffers: int = 1, gathered_rows: bool = False, n_all: int | None = None,
          forward_only: bool = False, whole_vocab: int | None = None, return_lse: bool = False,
+         grads_in_backward: bool = False,
          filtered: bool = False) -> Plan:
     """The call's Plan (the table above). n_rows: the rows computed, of n_all (default n_rows);
     vocab: the classes a device plans for (a split head: the largest rank's); buffers: logits
     buffers held at once (2: a dense teacher's beside the student's); gathered_rows: PyTorch
     gathers the rows computed (each row block a copy); forward_only: no gradient is taken;
-    return_lse: the call returns lse (JAX then computes every row); filtered: PyTorch's
+    return_lse: the call returns lse (JAX then computes every row); grads_in_backward: its
+    gradients are formed in the backward pass whatever its blocks (reduction "none", an
+    upstream gradient per row); filtered: PyTorch's
     cross-entropy filters its gradient (several "speed" blocks).
 
     whole_vocab: a head split over the vocabulary, whose whole head has these classes
@@ -87,7 +90,8 @@ def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidde
     if strategy == "memory" and whole_vocab is not None and whole_vocab > vocab:
         p = plan(t, framework, loss, strategy, n_rows, hidden, whole_vocab, itemsize, accumulate_in_input_dtype,
                  buffers=buffers, gathered_rows=gathered_rows, n_all=n_all, forward_only=forward_only,
-                 whole_vocab=whole_vocab, return_lse=return_lse, filtered=filtered)
+                 whole_vocab=whole_vocab, return_lse=return_lse, grads_in_backward=grads_in_backward,
+                 filtered=filtered)
         if p.layout == "tiles":
             return dataclasses.replace(p, cols=min(p.cols, vocab))
         rows = without_a_thin_last_block(t, n_rows, min(n_rows, p.rows * whole_vocab // max(vocab, 1)))
@@ -100,7 +104,7 @@ def plan(t: Tuning, framework: str, loss: str, strategy: str, n_rows: int, hidde
         return _torch_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, gathered_rows, n_all,
                                     forward_only, whole_vocab is not None, filtered)
     if loss == "cross_entropy":
-        return _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse)
+        return _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse, grads_in_backward)
     if framework == "jax" and loss == "log_probs" and strategy == "memory":
         plans = _jax_memory_plans(t, n_rows, hidden, vocab, itemsize, functools.partial(Plan, strategy,
                                                                                       narrow_accumulator=narrow))
@@ -128,7 +132,7 @@ def _torch_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, g
     return Plan(strategy, "tiles", rows, cols, narrow)
 
 
-def _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse) -> Plan:
+def _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse, grads_in_backward) -> Plan:
     skip = not return_lse and skipping_pays(t, n_rows, hidden, vocab)
     if strategy == "speed":
         rows, cols = block_shape(t, strategy, n_rows, hidden, vocab, itemsize, gathered_rows=skip,
@@ -140,16 +144,19 @@ def _jax_cross_entropy(t, strategy, n_rows, hidden, vocab, itemsize, narrow, ret
         _jax_memory_plans(t, n_rows, hidden, vocab, itemsize, memory)
     if not plans:  # a head too small for any block of min_block rows: XLA's smallest blocks
         return memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize))
-    return _fastest(t, plans, n_rows, hidden, vocab, itemsize, grads_in_forward=not return_lse)
+    return _fastest(t, plans, n_rows, hidden, vocab, itemsize, grads_in_forward=not (return_lse or grads_in_backward))
 
 
 def _jax_memory_plans(t, n_rows, hidden, vocab, itemsize, memory) -> list[Plan]:
     """JAX "memory"'s tiles within its budget (`memory` makes a Plan of a layout and a
-    block): XLA's, and `row_products`' (not for fp64)."""
+    block): XLA's, and `row_products`' (16-bit inputs; fp32 where XLA's do not fit: the
+    kernels' fp32 products run without tensor cores and their rate was measured in bf16
+    only; never fp64)."""
     plans = []
     if xla_memory_blocks_fit(t, n_rows, hidden, vocab, itemsize):
         plans.append(memory("tiles", *xla_memory_block_shape(t, n_rows, hidden, vocab, itemsize)))
-    kernel_shape = kernel_memory_block_shape(t, n_rows, hidden, vocab, itemsize) if itemsize <= 4 else None
+    kernels = itemsize <= 2 or (itemsize == 4 and not plans)
+    kernel_shape = kernel_memory_block_shape(t, n_rows, hidden, vocab, itemsize) if kernels else None
     if kernel_shape:
         plans.append(memory("tiles", *kernel_shape, kernel_products=True))
     return plans

@@ -42,8 +42,8 @@ class Tuning:
     # "memory" in whole rows: the logits scratch plus the first block's row copies, as a
     # share of the floor; 0.095 would go over the tenth by the allocator's rounding.
     whole_row_fraction: float = 0.093
-    # ... taken when its first block holds at least this many rows: fewer lose to rows x
-    # columns (each row block reads all of W).
+    # ... taken by PyTorch when its first block holds at least this many rows: fewer lose to
+    # rows x columns (each row block reads all of W). (JAX weighs its plans' estimates.)
     min_whole_rows: int = 384
     # ... or when W has at most this many bytes, whose re-reads cost less than the tiles'
     # host time per tile at small N (H100, S: tiles 12.8 ms, whole rows 7.2; 8192 x 768 x
@@ -54,8 +54,9 @@ class Tuning:
     min_small_head_rows: int = 192
     # ... its blocks a multiple of this many rows (aligned products).
     whole_row_align: int = 32
-    # JAX's fixed row blocks end in a block of at least this many rows: XLA splits a thin
-    # block's grad_input product over the vocabulary and pads a copy of W for it.
+    # JAX's fixed row blocks end in a block of at least this many rows, and its whole-row
+    # "memory" blocks hold at least this many: XLA splits a thin block's grad_input product
+    # over the vocabulary and pads a copy of W for it.
     min_last_rows: int = 128
     # Bytes of the cuBLAS workspace XLA keeps among a loop's temporaries.
     xla_gemm_workspace: int = 32 << 20
@@ -75,7 +76,8 @@ class Tuning:
     # 2026-11-28): XLA's bf16 products in the loops, flop/s; `row_products`' rate as a share
     # of it; the cost of one step of a block loop (XLA's tiles at 8192 x 2048 x 128256:
     # 2016 steps took 74 ms beyond their products) and of one block of whole rows (its row
-    # gathers, row kernel and copies: blocks of 128 rows there cost 0.45 ms each);
+    # gathers, row kernel and copies: blocks of 128 rows there cost 0.45 ms each, 0.3 ms of
+    # it the grad_weight pass counted apart);
     # grad_weight read and written per row block, bytes/s. Only the order of the plans
     # matters.
     plan_product_flops: float = 700e12
@@ -136,7 +138,7 @@ JAX_ROW_KERNEL_PARAMS = dict(num_warps=8, num_stages=1)
 FUSED_STATS_TILE = (128, 256)
 FUSED_STATS_K_BYTES = 128
 FUSED_STATS_PARAMS = dict(num_warps=8, num_stages=4)
-# JAX's product kernels for small heads (`jax_impl.row_products`): (output tile rows,
+# JAX's product kernels of "memory"'s tiles (`jax_impl.row_products`): (output tile rows,
 # output tile columns, K step in bytes of one operand row, warps, stages).
 LOGITS_TILE = (128, 256, 128, 8, 4)  # [rows, classes]
 GRAD_INPUT_TILE = (64, 256, 128, 4, 4)  # [rows, hidden]

@@ -78,7 +78,8 @@ def plan(t: Tuning, options, weight_layout, strategy, n_rows, hidden, vocab, dty
     these `partitioned.Axes` (`Head.split_rows`; the same blocks: see
     `interop.blocking.one_speed_block`)."""
     p = planning.plan(t, "jax", "cross_entropy", strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
-                      accumulate_in_input_dtype, return_lse=return_lse, whole_vocab=whole_vocab)
+                      accumulate_in_input_dtype, return_lse=return_lse, whole_vocab=whole_vocab,
+                      grads_in_backward=options.reduction == "none")
     return BlockedConfig(options, weight_layout, strategy, p.layout, p.rows, p.cols, p.narrow_accumulator, return_lse,
                          interpret=platform != "gpu", skip_ignored=p.skip_ignored, fused_stats=p.fused_stats, tuning=t,
                          kernel_products=p.kernel_products, split_rows=split_rows)

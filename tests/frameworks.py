@@ -50,8 +50,11 @@ SMALL = dataclasses.replace(SMALL_BLOCKS, weight_grad_slabs=5, weight_grad_slab_
 # SMALL with "memory" in blocks of whole rows at 13 x 19 x 53: a scratch of 4.5 rows of 53 logits
 # (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input; in
 # JAX, whose XLA workspace and per-row temporaries are left out, 2: it counts 2 D values a row
-# beside the logits, 238 // (53 + 2 * 19), and takes blocks thinner than Tuning.min_last_rows).
+# beside the logits, 238 // (53 + 2 * 19), and takes blocks thinner than Tuning.min_last_rows;
+# a whole-row block costs no more than its products in its plan estimate, so both dtypes take
+# them).
 WHOLE_ROW_MEMORY = dataclasses.replace(SMALL, min_whole_rows=1, whole_row_align=1, min_last_rows=1,
+                                       plan_row_block_seconds=0.0,
                                        whole_row_fraction=4.5 * 53 / ((13 + 53) * 19))
 # The GPU tests' medium shapes (1000 x 257 x 5003) in several row and column blocks: these
 # fields of a Tuning ...

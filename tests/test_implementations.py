@@ -253,6 +253,8 @@ def test_memory_plans_in_whole_rows():
     cfg = plan(t, CrossEntropyOptions(), "VD", "memory", 13, 19, 53, jnp.bfloat16, False, False, "cpu")
     assert (cfg.strategy, cfg.layout, cfg.block_rows, cfg.block_cols, cfg.accumulate_in_input_dtype, cfg.tuning) == (
         "memory", "rows", 2, 53, True, t)
+    fp32 = plan(t, CrossEntropyOptions(), "VD", "memory", 13, 19, 53, jnp.float32, False, False, "cpu")
+    assert (fp32.layout, fp32.block_cols) == ("rows", 53)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -323,6 +325,14 @@ def test_jax_memory_plans_take_the_least_estimated_time():
     assert planned(4096, 4096, 128256) == ("rows", False, 233, 128256)  # Q
     assert planned(8192, 2304, 256000) == ("tiles", False, 3712, 2048)  # G
     assert planned(1024, 128, 16000) == ("tiles", False, 128, 2048)
+    # whole rows recomputed in the backward pass (lse returned, or reduction "none") cost
+    # 8 N D V as tiles do: XLA's tiles at L
+    for options, lse in ((CrossEntropyOptions(), True), (CrossEntropyOptions(reduction="none"), False)):
+        cfg = plan(DEFAULT, options, "VD", "memory", 16384, 4096, 128256, jnp.bfloat16, False, lse, "gpu")
+        assert (cfg.layout, cfg.kernel_products, cfg.block_rows) == ("tiles", False, 1664)
+    # fp32: the kernels' tiles (no tensor cores) only where XLA's do not fit
+    cfg = plan(DEFAULT, CrossEntropyOptions(), "VD", "memory", 8192, 2048, 128256, jnp.float32, False, False, "gpu")
+    assert not cfg.kernel_products
 
 
 def test_jax_memory_plan_estimates():

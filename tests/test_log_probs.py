@@ -336,23 +336,24 @@ def test_jax_memory_in_xla_blocks_matches_reference(case):
         check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{case}, {dtype}")
 
 
+@pytest.mark.parametrize("layout", ["VD", "DV"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_jax_memory_in_kernel_blocks_matches_reference(case):
+def test_jax_memory_in_kernel_blocks_matches_reference(case, layout):
     """JAX "memory" in blocks of 4 rows x 8 columns through `row_products`' kernels (XLA's
     GEMM workspace counted as 1 TiB, the budget 4.5 rows of the kernels' blocks), the last
-    ones partial, against the float64 reference, bf16 and fp32."""
+    ones partial, against the float64 reference, bf16 and fp32, W [V, D] and [D, V]."""
     import jax.numpy as jnp
 
     from interop.log_probs import LogProbsOptions
     from jax_impl.distill_rules import plan_steps
 
     for dtype in ("bfloat16", "float32"):
-        p, options, g_lp, g_H = _problem(case, dtype)
+        p, options, g_lp, g_H = _problem(case, dtype, layout)
         n, d, v, itemsize = p.y.size, p.x.shape[-1], p.vocab, jnp.dtype(dtype).itemsize
         row_bytes = 8 * itemsize + d * (4 + itemsize)  # logits, fp32 grad_input accumulator, x
         t = dataclasses.replace(SMALL, xla_gemm_workspace=1 << 40,
                                 whole_row_fraction=4.5 * row_bytes / ((n + v) * d * itemsize))
-        cfg = plan_steps(t, "log_probs", LogProbsOptions(), "VD", "memory", n, d, v, jnp.dtype(dtype), False, "gpu")
+        cfg = plan_steps(t, "log_probs", LogProbsOptions(), layout, "memory", n, d, v, jnp.dtype(dtype), False, "gpu")
         assert (cfg.block_rows, cfg.block_cols, cfg.kernel_products) == (4, 8, True)
         got = run_jax(p, options, g_lp, g_H, "memory", t)
         check(got, _reference(p, options, g_lp, g_H), dtype, p.logit_scale, f"{case}, {dtype}")

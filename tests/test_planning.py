@@ -47,9 +47,9 @@ def test_every_plan_covers_the_head_and_accumulates_as_documented(shape, t):
 
 @pytest.mark.parametrize("shape", ["L", "G", "S"])
 def test_both_frameworks_take_whole_rows_for_memory_alike(shape):
-    """Cross-entropy's "memory" runs in whole rows in JAX only where it does in PyTorch, and
-    at L and G exactly there (XLA owns grad_input's buffer, so JAX's blocks may be smaller;
-    at S, whose head is small enough for PyTorch's whole rows, they leave JAX no row)."""
+    """Cross-entropy's "memory" runs in whole rows at L in both frameworks and in tiles at G
+    (XLA owns grad_input's buffer, so JAX's blocks may be smaller; at S, whose head is small
+    enough for PyTorch's whole rows, they leave JAX no row)."""
     n, d, v = SHAPES[shape]
     torch_plan = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", n, d, v, 2, False)
     jax_plan = planning.plan(DEFAULT, "jax", "cross_entropy", "memory", n, d, v, 2, False)
@@ -81,12 +81,15 @@ def test_a_split_head_keeps_one_devices_memory_block(shape):
 
 def test_a_split_head_at_l_takes_one_devices_rows_and_tiles():
     """At L on 2 devices: JAX's whole rows of 64128 classes, twice one device's 250 rows
-    (without the whole head's budget: 128); PyTorch's tiles of one device (2816 x 8320); at
-    32 devices PyTorch's tiles are cut to a device's 4008 classes."""
+    (without the whole head's budget its whole rows would be 128, so the kernels' tiles are
+    the plan); PyTorch's tiles of one device (2816 x 8320); at 32 devices PyTorch's tiles
+    are cut to a device's 4008 classes."""
     n, d, v = SHAPES["L"]
     jax = planning.plan(DEFAULT, "jax", "cross_entropy", "memory", n, d, v // 2, 2, False, whole_vocab=v)
     assert (jax.layout, jax.rows, jax.cols) == ("rows", 500, 64128)
-    assert planning.plan(DEFAULT, "jax", "cross_entropy", "memory", n, d, v // 2, 2, False).rows == 128
+    assert blocking.jax_whole_row_block_rows(DEFAULT, n, d, v // 2, 2) == 128
+    local = planning.plan(DEFAULT, "jax", "cross_entropy", "memory", n, d, v // 2, 2, False)
+    assert (local.layout, local.kernel_products, local.rows, local.cols) == ("tiles", True, 1792, 2048)
     torch_plan = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", n, d, v // 2, 2, False, whole_vocab=v)
     assert (torch_plan.layout, torch_plan.rows, torch_plan.cols, torch_plan.scratch) == ("tiles", 2816, 8320, 0)
     narrow = planning.plan(DEFAULT, "torch", "cross_entropy", "memory", n, d, -(-v // 32), 2, False, whole_vocab=v)
