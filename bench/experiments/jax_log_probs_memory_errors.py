@@ -1,7 +1,8 @@
 """JAX log-probabilities with the entropy at Llama-3.2-1B's head (16384 x 2048 x 128256,
 bf16, random upstream gradients of both): "memory" (its plan printed: `row_products`' tiles
 since the plan of least estimated time) and "speed" against "chunked" (fp32 logits), the
-relative (Frobenius) error of grad_input and grad_weight (H200, 2026-11-28; bench/NOTES.md).
+relative (Frobenius) error of grad_input and grad_weight (H200, 2026-11-28; results at 00e9b14
+in bench/results/cuda_tests_jax_log_probs_plans.txt, bench/NOTES.md has the entry).
 
 Run on a GPU from the repository root: PYTHONPATH=. python bench/experiments/jax_log_probs_memory_errors.py"""
 import jax, jax.numpy as jnp, numpy as np

@@ -1,7 +1,8 @@
 """JAX cross-entropy "memory" in forced block plans against its default plan, naive XLA and
 "speed" (fwd+bwd time, XLA's memory over the floor, errors against float64), at shapes of
 D 2048 where the default plan is XLA's tiles or whole rows of a few dozen rows, and at L, G
-and S. Writes $OUT/jax_memory_plans.json.
+and S (H200, 2026-11-28; results at a8c0a43 in bench/results/jax_memory_plans.json,
+bench/NOTES.md has the entry). Writes $OUT/jax_memory_plans.json.
 
 Plans: "default"; "rows:R" (whole rows of R, gradients formed in the forward pass);
 "tiles:R:C" (XLA's products in R x C blocks); "ktiles:R:C" (the same through
