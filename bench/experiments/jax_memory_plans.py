@@ -34,8 +34,8 @@ def forced(spec):
     kind, *n = spec.split(":")
     n = [int(k) for k in n]
 
-    def plan(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse):
-        p = default_plan(t, strategy, n_rows, hidden, vocab, itemsize, narrow, return_lse)
+    def plan(t, strategy, n_rows, hidden, vocab, itemsize, *rest):
+        p = default_plan(t, strategy, n_rows, hidden, vocab, itemsize, *rest)
         if strategy != "memory":
             return p
         if kind == "rows":
@@ -55,7 +55,7 @@ for arg in sys.argv[1:] or list(CASES):
     x, W, y = measure.make_inputs(n, d, v, torch.bfloat16, dev)
     ref = measure.fwd_bwd(torch_methods.METHODS["ours-chunked"](), x.double(), W.double(), y)
     floor = x.numel() * x.element_size() + W.numel() * W.element_size()
-    default = default_plan(DEFAULT, "memory", n, d, v, 2, True, False)
+    default = default_plan(DEFAULT, "memory", n, d, v, 2, True, False, False)
     print(f"{name} {n}x{d}x{v} default plan {default}", flush=True)
     for label in ["naive", "speed"] + specs:
         planning._jax_cross_entropy = forced("default" if label in ("naive", "speed") else label)
