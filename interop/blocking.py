@@ -158,10 +158,11 @@ def jax_whole_row_block_rows(t: Tuning, n_rows: int, hidden: int, vocab: int, it
     """JAX's rows per block of "memory" in whole rows, else None where fewer than
     min(n_rows, t.min_last_rows) fit (XLA splits a thinner block's grad_input product over
     the vocabulary and pads a copy of W for it: 64 rows at 8192 x 2048 x 128256 held 1.97x
-    the floor), or where every block size leaves so thin a last block. XLA owns grad_input's buffer, so the blocks are fixed: their logits, 2 D
-    16-bit values a row (the rows' x and grad_input copies, or about what XLA's grad_input
-    product keeps of partial sums), XLA's GEMM workspace and its per-row temporaries stay
-    within t.whole_row_fraction of the gradients' bytes."""
+    the floor), or where every block size leaves so thin a last block. XLA owns
+    grad_input's buffer, so the blocks are fixed: their logits, 2 D 16-bit values a row (the
+    rows' x and grad_input copies, or about what XLA's grad_input product keeps of partial
+    sums), XLA's GEMM workspace and its per-row temporaries stay within
+    t.whole_row_fraction of the gradients' bytes."""
     rows = int(max(_xla_block_budget(t, n_rows, hidden, vocab, itemsize), 0) // ((vocab + 2 * hidden) * itemsize))
     if rows < min(n_rows, t.min_last_rows) or n_rows <= 0:
         return None

@@ -77,9 +77,8 @@ class Tuning:
     # of it; the cost of one step of a block loop (XLA's tiles at 8192 x 2048 x 128256:
     # 2016 steps took 74 ms beyond their products) and of one block of whole rows (its row
     # gathers, row kernel and copies: blocks of 128 rows there cost 0.45 ms each, 0.3 ms of
-    # it the grad_weight pass counted apart);
-    # grad_weight read and written per row block, bytes/s. Only the order of the plans
-    # matters.
+    # it the grad_weight pass counted apart); grad_weight read and written per row block,
+    # bytes/s. Only the order of the plans matters.
     plan_product_flops: float = 700e12
     plan_kernel_product_share: float = 0.78
     plan_step_seconds: float = 37e-6
