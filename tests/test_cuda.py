@@ -137,6 +137,46 @@ def test_forward_only_does_no_gradient_work(strategy):
     assert _err(loss, _fp64_spec(x, W, y)[0]) <= 1e-4
 
 
+@pytest.mark.alone
+@pytest.mark.parametrize("shape", [(8192, 4096, 128256), (20000, 64, 128256)], ids=["8192x4096xL", "NV-over-2^31"])
+def test_kept_logits_at_large_shapes_against_fp64_and_eager(monkeypatch, shape):
+    """"speed" log-probabilities and entropy with the logits kept for the backward pass (one
+    dz of every row, one product per gradient), in bf16: both gradients against the fp64
+    spec, and no worse than eager bf16 logits (fp32 softmax) beyond 1.25x where those fit."""
+    import torch.nn.functional as F
+
+    import torch_impl
+    import torch_impl.engine as engine
+
+    n, d, v = shape
+    x, W, y = _large_problem(n, d, v, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    g_lp, g_h = torch.randn(2, n, device="cuda", generator=gen, dtype=torch.float64)
+    kept, original = [], engine._backward_kept
+    monkeypatch.setattr(engine, "_backward_kept", lambda *a: kept.append(a[2].shape) or original(*a))
+
+    def grads(fn, x, W):
+        x, W = x.detach().requires_grad_(), W.detach().requires_grad_()
+        lp, h = fn(x, W)
+        ((lp.double() * g_lp).sum() + (h.double() * g_h).sum()).backward()
+        return x.grad, W.grad
+
+    ours = grads(lambda x, W: torch_impl.linear_log_probs(x, W, y, return_entropy=True, strategy="speed"), x, W)
+    assert kept == [(n, v)], kept
+    ref = grads(lambda x, W: torch_impl.linear_log_probs(x, W, y, return_entropy=True, strategy="chunked"),
+                x.double(), W.double())
+    tol = tolerance("bfloat16")
+    assert all(_err(a, r) <= tol for a, r in zip(ours, ref)), [_err(a, r) for a, r in zip(ours, ref)]
+    if n * v <= 2**31:
+        def eager(x, W):
+            logp = F.log_softmax((x @ W.T).float(), dim=-1)
+            return torch.where(y >= 0, logp.gather(1, y.clamp(min=0)[:, None])[:, 0], 0.0), -(logp.exp() * logp).sum(-1)
+
+        naive = grads(eager, x, W)
+        for a, e, r in zip(ours, naive, ref):
+            assert _err(a, r) <= 1.25 * _err(e, r), (_err(a, r), _err(e, r))
+
+
 def test_speed_peak_is_two_weights_plus_one_block():
     """"speed" holds an fp32 grad_weight (2 W for a bf16 W) and one logits block; its
     conversion to bf16 goes slab by slab, so the fwd+bwd peak stays below

@@ -19,9 +19,14 @@ def _kernels_or_skip():
         pytest.skip("the kernels can't run here")
 
 
-def _spy(monkeypatch, module, chosen, planned, planner, strategy_at):
+def _spy(monkeypatch, module, chosen, planned, planner, strategy_at, free=0):
     """module.choose_strategy gives "auto" the strategies `chosen` in turn; the strategy of
-    every call of module's `planner` is appended to `planned`."""
+    every call of module's `planner` is appended to `planned`. free: the bytes the engine
+    sees free for logits kept between the passes (0: none kept, the backward pass recomputes
+    and plans again)."""
+    import torch_impl.engine as engine
+
+    monkeypatch.setattr(engine, "free_bytes", lambda x: free)
     monkeypatch.setattr(module, "choose_strategy", lambda strategy, *a: next(chosen) if strategy == "auto" else strategy)
     owner, name = planner
     original = getattr(owner, name)
@@ -174,3 +179,91 @@ def test_policy_loss_chooses_again_in_the_backward_pass(monkeypatch):
     _spy(monkeypatch, policy_loss, chosen, planned, (policy_loss, "plan_steps"), 2)
     _close(_grads(run("auto"), x, W, *upstream), want)
     assert planned == ["memory", "speed"], planned
+
+
+def test_a_call_that_kept_its_logits_does_not_choose_again(monkeypatch):
+    """An "auto" call planned "speed" whose forward pass kept its logits takes its backward
+    pass from them, on the forward pass's plan (it allocates less than a recomputing one):
+    no second plan, the gradients of a call planned "memory"."""
+    import torch_impl.log_probs as log_probs
+    from torch_impl import linear_log_probs
+
+    _kernels_or_skip()
+    x, W, y, g = _inputs()
+    upstream = (torch.randn(x.shape[0], generator=g, dtype=torch.float64),)
+    run = lambda strategy: lambda a, b: (linear_log_probs(a, b, y.to(a.device), strategy=strategy),)
+    want = _grads(run("memory"), x, W, *upstream)
+    chosen, planned = iter(["speed", "memory"]), []
+    _spy(monkeypatch, log_probs, chosen, planned, (log_probs, "plan_steps"), 2, free=1 << 40)
+    _close(_grads(run("auto"), x, W, *upstream), want)
+    assert planned == ["speed"], planned
+
+
+def _kept_calls(x, W, y, g):
+    """name -> (call(x, W, strategy, tuning) -> outputs, upstream gradients): the losses whose
+    backward pass would recompute the logits (the upstream gradients unknown in the forward
+    pass), at a temperature and a softcap where the loss takes them."""
+    from torch_impl import linear_cross_entropy, linear_distillation, linear_log_probs, linear_topk_distillation
+
+    n, v = x.shape[0], W.shape[0]
+    ids = torch.stack([torch.randperm(v, generator=g)[:4] for _ in range(n)])
+    teacher = torch.log_softmax(torch.randn(ids.shape, generator=g, dtype=torch.float64), -1)
+    x_t, W_t = torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randn(v, 8, generator=g, dtype=torch.float64)
+    rows = lambda: torch.randn(n, generator=g, dtype=torch.float64)
+    on = lambda t, a: t.to(a.device, torch.float32 if t.is_floating_point() else t.dtype)
+    return {
+        "log_probs": (lambda a, b, s, t: linear_log_probs(a, b, on(y, a), return_entropy=True, temperature=0.7,
+                                                          softcap=3.0, strategy=s, tuning=t), (rows(), rows())),
+        "cross_entropy_none": (lambda a, b, s, t: (linear_cross_entropy(a, b, on(y, a), reduction="none",
+                                                                        label_smoothing=0.1, strategy=s, tuning=t),),
+                               (rows(),)),
+        "cross_entropy_lse": (lambda a, b, s, t: linear_cross_entropy(a, b, on(y, a), return_lse=True, softcap=5.0,
+                                                                      strategy=s, tuning=t),
+                              (torch.tensor(0.7, dtype=torch.float64), rows())),
+        "topk_none": (lambda a, b, s, t: (linear_topk_distillation(a, b, on(ids, a), on(teacher, a), reduction="none",
+                                                                   strategy=s, tuning=t),), (rows(),)),
+        "dense_none": (lambda a, b, s, t: (linear_distillation(a, b, on(x_t, a), on(W_t, a), reduction="none",
+                                                               divergence="jsd", strategy=s, tuning=t),), (rows(),)),
+    }
+
+
+@pytest.mark.parametrize("loss", ["log_probs", "cross_entropy_none", "cross_entropy_lse", "topk_none", "dense_none"])
+def test_speed_keeps_the_logits_for_the_backward_pass_where_they_fit(monkeypatch, loss):
+    """Where "speed"'s logits take at most Tuning.keep_logits_share of the free memory, the
+    forward pass keeps them and the first backward pass turns them into dz (one product per
+    gradient over all rows): the outputs and gradients of the recomputing backward pass, for
+    every loss whose upstream gradients the forward pass does not know; a second backward
+    pass (retain_graph) recomputes. Share 0, a "memory" call and a call that records no
+    gradient keep nothing."""
+    import dataclasses
+
+    import torch_impl.engine as engine
+    from tests.frameworks import SMALL
+
+    _kernels_or_skip()
+    x, W, y, g = _inputs()
+    call, upstream = _kept_calls(x, W, y, g)[loss]
+    want = _grads(lambda a, b: call(a, b, "memory", SMALL), x, W, *upstream)
+    spent = []
+    original = engine._backward_kept
+    monkeypatch.setattr(engine, "_backward_kept", lambda *a: spent.append(a[2].shape[1]) or original(*a))
+    monkeypatch.setattr(engine, "free_bytes", lambda t: 1 << 40)
+    for share, kept in ((1.0, [W.shape[0]]), (0.0, [])):
+        spent.clear()
+        tuning = dataclasses.replace(SMALL, keep_logits_share=share)
+        xx, WW = (t.to(device(), torch.float32).requires_grad_() for t in (x, W))
+        outputs = call(xx, WW, "speed", tuning)
+        total = sum((o.double() * u.to(o.device)).sum() for o, u in zip(outputs, upstream))
+        first = torch.autograd.grad(total, (xx, WW), retain_graph=True)
+        assert spent == kept, (share, spent)
+        again = torch.autograd.grad(total, (xx, WW))
+        assert spent == kept, "a second backward pass recomputes"
+        got = [o.detach().double().cpu() for o in outputs]
+        _close(got + [t.double().cpu() for t in first], want)
+        _close(got + [t.double().cpu() for t in again], want)
+    xx, WW = (t.to(device(), torch.float32).requires_grad_() for t in (x, W))
+    spent.clear()
+    with torch.no_grad():
+        call(xx, WW, "speed", SMALL)
+    _grads(lambda a, b: call(a, b, "memory", SMALL), x, W, *upstream)
+    assert spent == []

@@ -11,7 +11,11 @@ row blocks of logits z [R, C] (`HeadBlocks.logits`, no bias):
   With `grads_now` (blocks of whole rows), `coefficients` and `grad` turn the same logits
   into dz, whose products give the gradients for an upstream gradient of 1: 6 N D V flops.
 - backward: `coefficients` from what the forward pass saved and the upstream gradients,
-  then `grad` on each recomputed block: 8 N D V flops in all.
+  then `grad` on each recomputed block: 8 N D V flops in all. Where "speed"'s logits fit
+  a share of the free memory (`Tuning.keep_logits_share`), the forward pass keeps them
+  (`head.KeptLogits`, the plan's), and the first backward pass turns them into dz in place
+  and takes each gradient in one product over all rows: 6 N D V flops, no fp32 grad_weight
+  accumulator, for every loss whose upstream gradients the forward pass does not know.
 
 The loop owns everything else once for every loss: the gradient buffers (grad_weight in
 vocabulary slabs, grad_input rows written once or summed over column blocks in fp32), the
@@ -29,7 +33,7 @@ import dataclasses
 import torch
 
 from torch_impl.autograd import first_order_only, scale_formed
-from torch_impl.head import HeadBlocks, final_grad
+from torch_impl.head import HeadBlocks, KeptLogits, final_grad
 from torch_impl.vocab_parallel import VocabSplit
 
 
@@ -74,12 +78,13 @@ def forward(rule: Rule, blocks: HeadBlocks, grads_now=(False, False, False), spl
     assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
     dx, _, dW, db = blocks.gradient_buffers(*grads_now, wide_dx=split is not None)
     at_once = split is not None and not in_forward and rule.sweeps == 1  # one combine of every row's statistics
+    kept = None if in_forward else _kept_logits(blocks)
     z = None
     for rs in blocks.row_blocks():
         for sweep in range(rule.sweeps):
             for v0, cols in blocks.col_blocks():
                 if sweep == 0 or not blocks.whole_rows:  # whole rows: one block, kept for every sweep
-                    z = blocks.logits(rs, v0, cols)
+                    z = blocks.logits(rs, v0, cols, out=None if kept is None else kept[rs])
                 rule.stats_(z, v0, rs, sweep)
             if not at_once:
                 rule.rows_done(rs, sweep)
@@ -97,8 +102,12 @@ def forward(rule: Rule, blocks: HeadBlocks, grads_now=(False, False, False), spl
 
 
 def backward(rule: Rule, blocks: HeadBlocks, need=(True, True, True), split: VocabSplit | None = None, x=None):
-    """(dx, dW, db) recomputing the logits block by block, None where `need` (x, W, b) is
-    not set; x as for `forward`."""
+    """(dx, dW, db) recomputing the logits block by block (or from the logits the forward
+    pass kept), None where `need` (x, W, b) is not set; x as for `forward`."""
+    kept = blocks.plan.kept
+    if kept is not None and kept.z is not None:
+        z_AV, kept.z, kept.spent = kept.z, None, True
+        return _backward_kept(rule, blocks, z_AV, need, split, x)
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need, wide_dx=split is not None)
     for rs in blocks.row_blocks():
         rule.coefficients(rs)
@@ -114,6 +123,51 @@ def backward(rule: Rule, blocks: HeadBlocks, need=(True, True, True), split: Voc
             blocks.put_dx_rows(dx, rs, dx_out)
             dx_acc.zero_()
     dz = dx_acc = None
+    return _gradients(rule, blocks, dx, dW, db, split, x)
+
+
+def free_bytes(x: torch.Tensor) -> int:
+    """Bytes free on x's device for logits kept between the passes: CUDA's free memory, 0
+    off CUDA (host memory is not weighed) and while a CUDA graph is captured (a replay
+    cannot choose again)."""
+    if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        return 0
+    return torch.cuda.mem_get_info(x.device)[0]
+
+
+def _kept_logits(blocks: HeadBlocks) -> torch.Tensor | None:
+    """The plan's KeptLogits' new z [A, V] when this forward pass keeps its logits: a
+    recording call (the plan holds a KeptLogits not yet used) of "speed" in whole rows
+    whose logits the kernels read in x's dtype and no gradient filter changes, taking at
+    most Tuning.keep_logits_share of the free memory."""
+    p, x = blocks.plan, blocks.x
+    if p.kept is None or p.kept.z is not None or p.kept.spent or p.strategy != "speed" or not blocks.whole_rows:
+        return None
+    if p.filter_eps is not None or blocks.logits_dtype != x.dtype or blocks.n_rows == 0:
+        return None
+    if blocks.n_rows * blocks.vocab * x.element_size() > p.tuning.keep_logits_share * free_bytes(x):
+        return None
+    p.kept.z = x.new_empty(blocks.n_rows, blocks.vocab)
+    return p.kept.z
+
+
+def _backward_kept(rule: Rule, blocks: HeadBlocks, z_AV, need, split, x):
+    """`backward` from the kept logits z [A, V]: each row block's dz written over its
+    logits, then each gradient in one product over all rows (grad_weight formed once in W's
+    dtype, accumulated in fp32 by cuBLAS)."""
+    dx, _, dW, db = blocks.gradient_buffers(*need, wide_dx=split is not None, one_block=True)
+    for rs in blocks.row_blocks():
+        rule.coefficients(rs)
+        z = z_AV[rs]
+        dz = rule.grad(z, 0, rs)
+        if dz.data_ptr() != z.data_ptr():
+            z.copy_(dz)
+    every = slice(0, blocks.n_rows)
+    dx_A = None if dx is None else blocks.dx_rows(dx, every)
+    rule.add_grads(z_AV, every, 0, blocks.vocab, dx_A, dW, db, False)
+    if dx_A is not None:
+        blocks.scatter_dx_rows(dx, every, dx_A)
+    z_AV = z = dz = None
     return _gradients(rule, blocks, dx, dW, db, split, x)
 
 
@@ -136,7 +190,9 @@ class Call:
     `forward(tensors, need)` -> (outputs, saved, formed): the outputs (a tuple), the tensors
     the backward pass reads, and the gradients for an upstream gradient of 1 where the call
     formed them in the forward pass (else None). `backward(tensors, saved, grad_outputs,
-    need)` -> the n_grads gradients (None where not needed)."""
+    need)` -> the n_grads gradients (None where not needed). `plan`: the call's BlockPlan,
+    which both passes block by (`RuleFunction` gives each recorded call its own
+    `head.KeptLogits` there)."""
 
     n_grads = 3
     non_differentiable: tuple = ()  # indices of outputs without a gradient
@@ -181,6 +237,8 @@ class RuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: Call, *tensors):
         need = ctx.needs_input_grad[1 : 1 + call.n_grads] if call.recording else (False,) * call.n_grads
+        if any(need):  # where the engine may keep the logits for the backward pass
+            call.plan = dataclasses.replace(call.plan, kept=KeptLogits())
         outputs, saved, formed = call.forward(tensors, need)
         ctx.call, ctx.formed, ctx.n_tensors = call, formed, len(tensors)
         ctx.save_for_backward(*tensors, *saved)
@@ -206,7 +264,8 @@ class RuleFunction(torch.autograd.Function):
             grads, ctx.formed = ctx.formed, None
             return scale_formed(grads, grad_outputs[0], kernels=call.kernels)
         saved = ctx.saved_tensors
-        if call.replan is not None:  # the copy's replan is the class's None
+        kept = call.plan.kept
+        if call.replan is not None and (kept is None or kept.z is None):  # the copy's replan is the class's None
             call = dataclasses.replace(call, **call.replan(saved[0]))
         return tuple(call.backward(saved[: ctx.n_tensors], saved[ctx.n_tensors :], grad_outputs,
                                    ctx.needs_input_grad[1 : 1 + call.n_grads]))

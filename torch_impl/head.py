@@ -31,7 +31,9 @@ class BlockPlan:
     whole rows whose size then varies, `HeadBlocks.row_blocks`; block_rows serves loops
     without grad_input); the call's tuning; host_sync: the loop may wait for the GPU to
     gather the filter's kept tiles (False in compiled or captured code, where the dropped
-    tiles are zeroed in place instead)."""
+    tiles are zeroed in place instead); kept: where one call's logits are kept from its
+    forward pass for its backward pass (`KeptLogits`, set per call by `torch_impl.engine`;
+    None: never kept)."""
 
     strategy: str
     layout: str
@@ -42,6 +44,18 @@ class BlockPlan:
     grad_input_scratch: int = 0
     tuning: Tuning = DEFAULT
     host_sync: bool = True
+    kept: KeptLogits | None = dataclasses.field(default=None, compare=False)
+
+
+class KeptLogits:
+    """One call's logits z [A, V] (the rows computed, the input's dtype), kept from its
+    forward pass for its first backward pass: `z` is None until the forward pass keeps them,
+    and again once that backward pass has spent them (written over by dz); `spent` then
+    says a later backward pass (retain_graph) recomputes them."""
+
+    def __init__(self):
+        self.z: torch.Tensor | None = None
+        self.spent = False
 
 
 def plan(t: Tuning, loss: str, strategy: str, n_rows: int, hidden: int, vocab: int, dtype: torch.dtype,
@@ -175,7 +189,15 @@ class HeadBlocks:
         self.n_rows = x_ND.shape[0] if active is None else active.shape[0]
         self._gathered = (None, None)  # (row block, its gathered x rows): logits and dW use the same block
         self._storage = None  # with the scratch: grad_input [N, D] then the logits scratch, flat
-        self.buffer = self._new_buffer(0 if plan.grad_input_scratch else plan.block_rows)
+        self._buffer_rows = 0 if plan.grad_input_scratch else plan.block_rows
+        self._buffer = None  # allocated by the first block that needs it (kept logits need none)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The reused logits buffer (`_new_buffer`), allocated on first use."""
+        if self._buffer is None:
+            self._buffer = self._new_buffer(self._buffer_rows)
+        return self._buffer
 
     def _new_buffer(self, rows: int) -> torch.Tensor:
         """A flat logits buffer for blocks of `rows` rows and plan.block_cols columns."""
@@ -184,7 +206,7 @@ class HeadBlocks:
 
     def release(self) -> None:
         """Drop the logits buffer and the gathered rows (the loop is done with them)."""
-        self.buffer, self._gathered = None, (None, None)
+        self._buffer, self._buffer_rows, self._gathered = None, 0, (None, None)
 
     def row_blocks(self):
         """Slices of the computed rows (of x's rows, or of `active`): plan.block_rows each, or
@@ -284,15 +306,16 @@ class HeadBlocks:
         """W's classes classes_K [K] (int64) gathered into [K, D]."""
         return self.W.index_select(0, classes_K) if self.layout == "VD" else self.W.index_select(1, classes_K).T
 
-    def logits(self, rs: slice, v0: int, cols: int) -> torch.Tensor:
-        """z [R, cols] = x[rs] @ W[v0:v0+cols].T (no bias), in the reused buffer; a new
-        tensor in logits_dtype, or when autograd records (a backward pass that is itself
-        differentiated: a product into a buffer can't be)."""
+    def logits(self, rs: slice, v0: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """z [R, cols] = x[rs] @ W[v0:v0+cols].T (no bias), in `out` (contiguous, x's dtype)
+        or the reused buffer; a new tensor in logits_dtype, or when autograd records (a
+        backward pass that is itself differentiated: a product into a buffer can't be)."""
         x_R = self.x_rows(rs)
         W_c = self.head_cols(v0, cols)
-        if self.logits_dtype != x_R.dtype or (torch.is_grad_enabled() and (x_R.requires_grad or W_c.requires_grad)):
+        if out is None and (self.logits_dtype != x_R.dtype or
+                            (torch.is_grad_enabled() and (x_R.requires_grad or W_c.requires_grad))):
             return (x_R @ W_c.T).to(self.logits_dtype)
-        z = self._logits_space(rs)[: x_R.shape[0] * cols].view(x_R.shape[0], cols)
+        z = out if out is not None else self._logits_space(rs)[: x_R.shape[0] * cols].view(x_R.shape[0], cols)
         return torch.mm(x_R, W_c.T, out=z)
 
     def add_grads(self, dz, rs: slice, v0: int, cols: int, dx_out, dW, db, dx_accumulate: bool = False) -> None:
@@ -312,12 +335,14 @@ class HeadBlocks:
         if db is not None:
             db[v0 : v0 + cols] += dz.sum(0, dtype=db.dtype)
 
-    def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool, wide_dx: bool = False):
+    def gradient_buffers(self, need_x: bool, need_W: bool, need_b: bool, wide_dx: bool = False,
+                         one_block: bool = False):
         """(dx [N, D] in x's dtype (fp32 with wide_dx), fp32 [R, D] accumulator when rows
         span several column blocks, dW a WeightGrad in the plan's accumulation dtype, db fp32
         [V]; fp64 for fp64 inputs). Filtering adds dW in parts: it keeps the plan's
         accumulator. With the plan's scratch, dx heads the logits' buffer (without dx, a
-        buffer of plan.block_rows rows)."""
+        buffer of plan.block_rows rows). one_block: the gradients are added in one block of
+        all rows (kept logits), whatever the plan's blocks."""
         x, W = self.x, self.W
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         if wide_dx and need_x:
@@ -325,14 +350,14 @@ class HeadBlocks:
         elif self.plan.grad_input_scratch and need_x:
             dx = self._grad_input_with_scratch()
         elif self.plan.grad_input_scratch:
-            dx, self.buffer = None, self._new_buffer(self.plan.block_rows)
+            dx, self._buffer, self._buffer_rows = None, None, self.plan.block_rows
         else:
             dx = (torch.empty_like(x) if self.active is None else torch.zeros_like(x)) if need_x else None
         dx_acc = torch.zeros(min(self.plan.block_rows, self.n_rows), x.shape[1], dtype=wide, device=x.device) \
             if need_x and not self.whole_rows else None
         # One row block: each element of dW is one product, accumulated in fp32 by cuBLAS
         # and written once in W's dtype, as exact as a wider accumulator and without it.
-        one_product = self.n_rows <= self.plan.block_rows and self.logits_dtype == W.dtype and self.plan.filter_eps is None
+        one_product = (one_block or self.n_rows <= self.plan.block_rows) and self.logits_dtype == W.dtype and self.plan.filter_eps is None
         dW = WeightGrad(W, self.layout, W.dtype if one_product else self.plan.accumulate_dtype, self.plan.tuning) if need_W else None
         db = torch.zeros(W.shape[0] if self.layout == "VD" else W.shape[1], dtype=wide, device=W.device) if need_b else None
         return dx, dx_acc, dW, db
