@@ -161,12 +161,19 @@ def trl_step_section(path: str, data: dict) -> str:
 def rl_section(runs: dict[str, tuple[str, dict]]) -> str:
     """`bench.log_probs`' runs ({framework: (path, data)}): per framework and method, at each
     shape, fwd+bwd ms and peak memory over the floor of both losses ("-" where not run)."""
-    env = next(iter(runs.values()))[1]["environment"]
+    envs = {fw: data["environment"] for fw, (_, data) in runs.items()}
+    places = {(env["device"], env["date"][:10]) for env in envs.values()}
+    if len(places) == 1:
+        (device, date), = places
+        where = f"On {device}, bf16, random data, {date}"
+    else:  # each framework's rows name their GPU: figures of two GPUs are not compared
+        where = ("Each framework's rows on their own GPU (" + "; ".join(
+            f"{FRAMEWORKS[fw]}: {env['device']}, {env['date'][:10]}" for fw, env in envs.items()) + "), bf16, random data")
     paths = ", ".join(f"`{path}`" for path, _ in runs.values())
     rows = [r for _, data in runs.values() for r in data["results"]]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     dims = {r["shape"]: f"{r['N']} x {r['D']} x {r['V']}" for r in rows}
-    text = (f"On {env['device']}, bf16, random data, {env['date'][:10]} ({paths}). Each cell: fwd+bwd ms of "
+    text = (f"{where} ({paths}). Each cell: fwd+bwd ms of "
             f"log-probabilities + entropy (random upstream gradients) / of GRPO's loss (clipped ratio, KL to a "
             f"reference, beta 0.04), then the peak memory beyond the inputs over the floor of each."
             + "".join(f" {data['note']}" for _, data in runs.values() if data.get("note")) + "\n\n")

@@ -60,7 +60,8 @@ def linear_log_probs(
             holding NaN gives a NaN's index), e.g. for token accuracy.
         weight_layout, accumulate_in_input_dtype, tuning: as for linear_cross_entropy.
         strategy: "auto", "speed", "memory" or "chunked", as for linear_cross_entropy
-            (its backward pass recomputes the logits: 8 N D V flops).
+            (its backward pass recomputes the logits, 8 N D V flops, except where "speed"
+            keeps them from the forward pass: `Tuning.keep_logits_share`).
         vocab_parallel: a process group over which the head is split by vocabulary, as for
             linear_cross_entropy (this rank's linear_weight and linear_bias hold its slice of
             the classes; input and the global targets are the same on every rank). The ranks

@@ -5,9 +5,9 @@ in PyTorch ops (`chunked`).
 
 The forward pass merges each block of logits into per-row running statistics (max, sum of
 exponentials, their u-weighted sum, the largest logit and its column, the target's logit)
-and keeps lse and the entropy; the backward pass recomputes each block and turns the
-upstream gradients of the log-probabilities and of the entropy into dz. Nothing is computed
-in the forward pass for the backward: the upstream gradients are not known then.
+and keeps lse and the entropy; the backward pass recomputes each block (or reads the
+logits the engine kept) and turns the upstream gradients of the log-probabilities and of the
+entropy into dz. No dz is formed in the forward pass: the upstream gradients are not known then.
 `forward_with_grads` serves a loss whose upstream gradients each row's own values decide
 (`torch_impl.policy_loss`): it forms them in the forward pass. `mean_logits` is the rows'
 mean logit, which trainers log.
