@@ -3,7 +3,8 @@ the default) against the same call recomputing them (share 0), in one process: p
 log-probabilities + entropy, and cross-entropy with reduction "none", fwd+bwd with random
 upstream gradients per row, bf16, 10% of targets ignored; ms, peak memory beyond the inputs
 over the floor (grad_input + grad_weight bytes), and the gradients' errors against float64
-(log-probabilities). Writes $OUT/kept_logits.json.
+(log-probabilities) (H200, 2026-11-28; results at ac23b9b in bench/results/kept_logits.json, bench/NOTES.md
+has the entry). Writes $OUT/kept_logits.json.
 
 Run on a GPU from the repository root:
 OUT=/tmp PYTHONPATH=. python bench/experiments/kept_logits.py [SHAPE ...]  (RL, L, G, S, Q)"""
