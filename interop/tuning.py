@@ -36,7 +36,7 @@ class Tuning:
     # "speed" with a 16-bit grad_weight accumulator: the block grows by this factor when the
     # V D 2 bytes an fp32 accumulator would have held pay for the growth (fewer passes).
     narrow_speed_block_growth: float = 1.5
-    # PyTorch "speed" keeps a call's logits [N, V] from its forward pass for its backward
+    # PyTorch "speed" keeps a call's logits [A, V] (its rows computed) from its forward pass for its backward
     # pass, where that pass would recompute them (the upstream gradients unknown in the
     # forward pass: log-probabilities, lse or per-row losses returned, distillation), when
     # they take at most this share of the device's free memory: the backward pass then

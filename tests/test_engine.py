@@ -246,7 +246,7 @@ def test_speed_keeps_the_logits_for_the_backward_pass_where_they_fit(monkeypatch
     want = _grads(lambda a, b: call(a, b, "memory", SMALL), x, W, *upstream)
     spent = []
     original = engine._backward_kept
-    monkeypatch.setattr(engine, "_backward_kept", lambda *a: spent.append(a[2].shape[1]) or original(*a))
+    monkeypatch.setattr(engine, "_backward_kept", lambda *a: spent.append(a[2].z.shape[1]) or original(*a))
     monkeypatch.setattr(engine, "free_bytes", lambda t: 1 << 40)
     for share, kept in ((1.0, [W.shape[0]]), (0.0, [])):
         spent.clear()

@@ -201,7 +201,8 @@ def forward(x, W, b_V, cw_V, y_N, opts, weight_layout, plan: BlockPlan, grads_no
 
 def backward(grad_loss, grad_lse, x, W, b_V, cw_V, y_N, lse, opts, weight_layout, plan: BlockPlan, need=(True, True, True),
              check: TargetCheck | None = None, active=None, split: VocabSplit | None = None):
-    """(dx, dW, db) by recomputing the logits block by block; None for what is not needed.
+    """(dx, dW, db) by recomputing the logits block by block (or from those the forward pass
+    kept, `torch_impl.engine`); None for what is not needed.
     grad_loss: 0-d, or [N] for "none"; grad_lse [N] or None; lse as `forward` gave it; the
     other arguments as `forward`'s."""
     blocks = _blocks(x, W, b_V, weight_layout, plan, active, split)

@@ -11,7 +11,7 @@ for the fallback).
   over the student's block.
 
 "speed" (whole rows) with a reduced loss forms the gradients in the forward pass; otherwise
-the backward pass recomputes the blocks.
+the backward pass recomputes the blocks (the student's are read where the engine kept them).
 """
 
 from __future__ import annotations

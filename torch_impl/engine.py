@@ -78,7 +78,9 @@ def forward(rule: Rule, blocks: HeadBlocks, grads_now=(False, False, False), spl
     assert not in_forward or blocks.whole_rows, "gradients in the forward pass need whole rows"
     dx, _, dW, db = blocks.gradient_buffers(*grads_now, wide_dx=split is not None)
     at_once = split is not None and not in_forward and rule.sweeps == 1  # one combine of every row's statistics
-    kept = None if in_forward else _kept_logits(blocks)
+    # a split head's ranks recompute: each would decide from its own free memory, and their
+    # backward passes' collectives (an "auto" call's re-plan) must stay the same
+    kept = None if in_forward or split is not None else _kept_logits(blocks)
     z = None
     for rs in blocks.row_blocks():
         for sweep in range(rule.sweeps):
@@ -106,8 +108,7 @@ def backward(rule: Rule, blocks: HeadBlocks, need=(True, True, True), split: Voc
     pass kept), None where `need` (x, W, b) is not set; x as for `forward`."""
     kept = blocks.plan.kept
     if kept is not None and kept.z is not None:
-        z_AV, kept.z, kept.spent = kept.z, None, True
-        return _backward_kept(rule, blocks, z_AV, need, split, x)
+        return _backward_kept(rule, blocks, kept, need, split, x)
     dx, dx_acc, dW, db = blocks.gradient_buffers(*need, wide_dx=split is not None)
     for rs in blocks.row_blocks():
         rule.coefficients(rs)
@@ -151,10 +152,12 @@ def _kept_logits(blocks: HeadBlocks) -> torch.Tensor | None:
     return p.kept.z
 
 
-def _backward_kept(rule: Rule, blocks: HeadBlocks, z_AV, need, split, x):
-    """`backward` from the kept logits z [A, V]: each row block's dz written over its
-    logits, then each gradient in one product over all rows (grad_weight formed once in W's
-    dtype, accumulated in fp32 by cuBLAS)."""
+def _backward_kept(rule: Rule, blocks: HeadBlocks, kept: KeptLogits, need, split, x):
+    """`backward` from the kept logits z [A, V] (spent here, and freed before the gradients'
+    conversions): each row block's dz written over its logits, then each gradient in one
+    product over all rows (grad_weight formed once in W's dtype, accumulated in fp32 by
+    cuBLAS)."""
+    z_AV, kept.z, kept.spent = kept.z, None, True
     dx, _, dW, db = blocks.gradient_buffers(*need, wide_dx=split is not None, one_block=True)
     for rs in blocks.row_blocks():
         rule.coefficients(rs)
@@ -265,6 +268,8 @@ class RuleFunction(torch.autograd.Function):
             return scale_formed(grads, grad_outputs[0], kernels=call.kernels)
         saved = ctx.saved_tensors
         kept = call.plan.kept
+        if kept is not None and kept.z is None:  # nothing kept: no pass of this backward keeps any
+            kept.spent = True
         if call.replan is not None and (kept is None or kept.z is None):  # the copy's replan is the class's None
             call = dataclasses.replace(call, **call.replan(saved[0]))
         return tuple(call.backward(saved[: ctx.n_tensors], saved[ctx.n_tensors :], grad_outputs,

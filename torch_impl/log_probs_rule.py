@@ -180,7 +180,8 @@ def forward_with_grads(x, W, b_V, y_N, o: LogProbsOptions, layout: str, plan: Bl
 def backward(grad_logp, grad_entropy, x, W, b_V, y_N, lse, entropy, o: LogProbsOptions, layout: str, plan: BlockPlan,
              ops, need=(True, True, True), active=None, split: VocabSplit | None = None):
     """(dx, dW, db) for the upstream gradients of `forward`'s log-probabilities and entropy
-    ([N] each, or None), recomputing the logits block by block; None where `need` (x, W, b)
+    ([N] each, or None), recomputing the logits block by block (or reading those the engine
+    kept); None where `need` (x, W, b)
     is not set. active and split: as for `forward_with_grads`."""
     blocks = _blocks(x, W, b_V, layout, plan, ops, active, split)
     rule = LogProbsRule(blocks, y_N, o, ops, split, saved=(lse, entropy), g=grad_logp, g_h=grad_entropy)
