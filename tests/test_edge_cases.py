@@ -132,7 +132,7 @@ def test_torch_kernels_check_targets_once_behind_the_first_product(monkeypatch, 
     events = []
     check_targets, logits = kernels.check_targets, head.HeadBlocks.logits
     monkeypatch.setattr(kernels, "check_targets", lambda *a: events.append("check") or check_targets(*a))
-    monkeypatch.setattr(head.HeadBlocks, "logits", lambda *a: events.append("logits") or logits(*a))
+    monkeypatch.setattr(head.HeadBlocks, "logits", lambda *a, **k: events.append("logits") or logits(*a, **k))
     p = _out_of_range_problem()
     x, W = torch.from_numpy(p.x).requires_grad_(grad), torch.from_numpy(p.W)
     good_y = torch.from_numpy(np.where((p.y >= 0) & (p.y < p.vocab), p.y, -100))
