@@ -36,12 +36,12 @@ class Tuning:
     # "speed" with a 16-bit grad_weight accumulator: the block grows by this factor when the
     # V D 2 bytes an fp32 accumulator would have held pay for the growth (fewer passes).
     narrow_speed_block_growth: float = 1.5
-    # PyTorch "speed" keeps a call's logits [A, V] (its rows computed) from its forward pass for its backward
-    # pass, where that pass would recompute them (the upstream gradients unknown in the
-    # forward pass: log-probabilities, lse or per-row losses returned, distillation), when
-    # they take at most this share of the device's free memory: the backward pass then
-    # makes 4 N D V flops instead of 6, in one product per gradient over all rows (no fp32
-    # grad_weight accumulator); 0: never (bench/NOTES.md, 2026-11-28).
+    # "speed" keeps a call's logits [A, V] (its rows computed) from its forward pass for its
+    # backward pass, where that pass would recompute them (the upstream gradients unknown in
+    # the forward pass: log-probabilities; in PyTorch also lse or per-row losses returned,
+    # distillation), when they take at most this share of the device's free memory: the
+    # backward pass then makes 4 N D V flops instead of 6, in one product per gradient over
+    # all rows (no fp32 grad_weight accumulator); 0: never (bench/NOTES.md, 2026-11-28, -29).
     keep_logits_share: float = 0.25
     # "memory" in rows x columns: one logits block plus the fp32 grad_input accumulator of
     # its row block, as a share of the floor (the memory-first bound is a tenth).

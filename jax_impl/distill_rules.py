@@ -43,6 +43,7 @@ class DistillConfig:
     interpret: bool
     split_rows: object = None  # the Axes of rows split across devices (`Head.split_rows`), or None
     kernel_products: bool = False  # "memory" blocks multiplied by `row_products`' kernels, not XLA
+    keep_logits: bool = False  # the forward pass keeps the logits for the backward pass (`engine.keeps_logits`)
 
     @property
     def grads_in_forward(self) -> bool:

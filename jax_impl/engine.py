@@ -13,7 +13,12 @@ is x's rows; which others is the rule's), and on logits blocks z [R, C] (no bias
   logits into dz, whose products give the gradients for an upstream gradient of 1: 6 N D V
   flops.
 - backward: `coefficients` from the saved per-row values and upstream gradients in xs, then
-  `grad` on each recomputed block: 8 N D V flops in all.
+  `grad` on each recomputed block: 8 N D V flops in all. Where "speed"'s logits fit a share
+  of the free memory (`keeps_logits`), the forward pass returns them ([N, V], `keep_logits`)
+  for the backward pass to keep as a residual, and `backward_kept` turns them into dz in
+  place and takes each gradient in one product over all rows: 6 N D V flops, no fp32
+  grad_weight accumulator, for every loss whose upstream gradients the forward pass does
+  not know.
 
 `apply` is every loss's `jax.custom_vjp`, over a `Call` (the loss's passes).
 
@@ -95,25 +100,28 @@ def _dx_rows(dx_R, x_R, axis):
 
 
 def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads: bool = False, accumulate_dtype=None,
-            keep=None, axis: str | None = None, tail_split: int = 1):
+            keep=None, axis: str | None = None, tail_split: int = 1, keep_logits: bool = False):
     """(outputs, grads): the rule's per-row outputs over all rows ([N, ...] each; rows not
     in `keep` (bool [N]) get zeros), and with `with_grads` (dx, dW, db) for an upstream
     gradient of 1 (grad_weight accumulated in accumulate_dtype, or in fp32 slabs where a
     device's split rows are one block, `Head.summed_row_shares`), else None. per_row: [N,
-    ...] arrays, x first; axis: a split head's shard_map axis; tail_split: `row_loop`'s."""
+    ...] arrays, x first; axis: a split head's shard_map axis; tail_split: `row_loop`'s.
+    keep_logits (blocks of whole rows, no gradients, every row): the outputs end with the
+    logits [N, vocab] (the input's dtype) for `backward_kept`."""
+    assert not keep_logits or (not with_grads and keep is None), "kept logits are every row's, for the backward pass"
     wide = compute_dtype(head.x.dtype)
     # a device's share of rows split across devices in one block of every row and class:
     # grad_weight summed over the devices slab by slab as it is formed
     slabs = (with_grads and head.split_rows is not None and block_rows >= head.x.shape[0]
              and head.vocab == head.W.shape[0 if head.vd else 1])
     # without gradients, a one-sweep rule's statistics are combined over the axis once, for every row
-    at_once = axis is not None and not with_grads and rule.sweeps == 1 and keep is None
+    at_once = axis is not None and not with_grads and rule.sweeps == 1 and keep is None and not keep_logits
     structure = []  # of the statistics, which the loop then returns as a flat tuple
 
     def row_step(carry, xs):
         x_R, state = xs[0], rule.init(xs)
         for sweep in range(rule.sweeps):
-            if with_grads:  # whole rows: one block for every sweep and dz (one product: XLA merges the same dot)
+            if with_grads or keep_logits:  # whole rows: one block for every sweep and dz (one product: XLA merges the same dot)
                 z = head.col_logits(x_R, 0, head.vocab)
                 state = rule.stats(z, 0, xs, state, sweep)
             else:
@@ -126,7 +134,7 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
             state = rule.done(xs, state, sweep)
         outs = rule.outputs(xs, state)
         if not with_grads:
-            return carry, outs
+            return carry, outs + ((z,) if keep_logits else ())
         dz = rule.grad(z, 0, xs, rule.coefficients(xs, state))
         dx_dtype = wide if axis is not None else x_R.dtype
         shares = head.summed_row_shares(dz, x_R, dx_dtype) if slabs else head.add_row_shares(dz, x_R, *carry, dx_dtype)
@@ -163,6 +171,51 @@ def backward(rule: Rule, head: Head, per_row: tuple, block_rows: int, accumulate
     return _grads(head, dx, carry, axis)
 
 
+def backward_kept(rule: Rule, head: Head, per_row: tuple, z, block_rows: int, axis: str | None = None):
+    """(dx, dW, db) from the forward pass's logits z [N, vocab] (`forward`'s keep_logits),
+    per_row as for `backward`: each row block of z becomes dz in place (the kernels' blocks
+    as the forward pass had them; the loop carries z, which XLA updates where it lies), then
+    grad_input and grad_weight are one product each over all rows, grad_weight written in W's
+    dtype with no wider accumulator (rows split across devices: summed over them slab by
+    slab in fp32, `Head.summed_row_shares`)."""
+    n = z.shape[0]
+
+    def row_step(z, xs):
+        start, block = xs[-1][0], xs[:-1]
+        z_R = jax.lax.dynamic_slice_in_dim(z, start, xs[0].shape[0])
+        dz_R = rule.grad(z_R, 0, block, rule.coefficients(block, None))
+        return jax.lax.dynamic_update_slice_in_dim(z, dz_R.astype(z.dtype), start, 0), ()
+
+    dz, _ = row_loop(row_step, z, tuple(per_row) + (jnp.arange(n, dtype=jnp.int32),), n, min(block_rows, n))
+    x, wide = head.x, compute_dtype(head.x.dtype)
+    dx_dtype = wide if axis is not None else x.dtype
+    if head.split_rows is not None:
+        dW, db, dx = head.summed_row_shares(dz, x, dx_dtype)
+        return _grads(head, dx, (dW, db), axis, summed=True)
+    dW, db = _buffers(head, head.W.dtype, head.b is not None, n)
+    dW, db, dx = head.add_row_shares(dz, x, dW, db, dx_dtype)
+    return _grads(head, dx, (dW, db), axis)
+
+
+def free_bytes(platform: str) -> int:
+    """Bytes free on the default device for logits kept between the passes: a GPU's limit
+    less what its allocator holds in use, 0 elsewhere (host memory is not weighed)."""
+    if platform != "gpu":
+        return 0
+    stats = jax.devices()[0].memory_stats() or {}
+    return max(0, stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0))
+
+
+def keeps_logits(t, strategy: str, whole_rows: bool, n_rows: int, vocab: int, dtype, platform: str) -> bool:
+    """Whether a call's forward pass keeps its logits for the backward pass: "speed" in blocks
+    of whole rows, whose N x V logits (the input's dtype) take at most
+    Tuning.keep_logits_share of the free memory (`free_bytes`, weighed when the call is
+    traced: a jitted function keeps its choice)."""
+    if strategy != "speed" or not whole_rows or n_rows == 0 or t.keep_logits_share <= 0:
+        return False
+    return n_rows * vocab * jnp.dtype(dtype).itemsize <= t.keep_logits_share * free_bytes(platform)
+
+
 class Call:
     """One call of a loss as `apply` differentiates it: its configuration (hashable, a static
     argument) and its passes over arrays (pytrees; the first `n_grads` take gradients).
@@ -180,6 +233,11 @@ class Call:
     def grads_in_forward(self) -> bool:
         return self.cfg.grads_in_forward
 
+    def primal(self) -> "Call":
+        """This call where nothing differentiates it: one that keeps no logits for a backward
+        pass (`keeps_logits`)."""
+        return self
+
     def forward(self, arrays, with_grads: bool):
         raise NotImplementedError
 
@@ -192,7 +250,7 @@ def apply(call: Call, *arrays):
     """call's outputs. Under differentiation, gradients formed in the forward rule are scaled
     by the upstream gradient in fp32, fp64 for fp64 ones (rounding it to a 16-bit gradient's
     dtype first would scale it wrongly); otherwise the backward rule runs `call.backward`."""
-    return call.forward(arrays, False)[0]
+    return call.primal().forward(arrays, False)[0]
 
 
 def _apply_fwd(call: Call, *arrays):

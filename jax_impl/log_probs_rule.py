@@ -131,18 +131,21 @@ def _grads_factors(b_V) -> tuple:
 
 
 def forward(x_ND, W, b_V, y_N, cfg: DistillConfig, keep=None, axis: str | None = None):
-    """(log_probs, entropy, argmax, lse), per row; keep: bool [N], the only rows computed
-    (`jax_impl.rows.row_loop`; the others' outputs are 0), or None. axis: the shard_map axis
-    of a head split over the vocabulary (W and b this device's classes, y global), or None;
-    under jit, split over sharded operands (`jax_impl.partitioned`)."""
-    return partitioned.run(_forward_pass, cfg, _layout(cfg, ("n",), ("n",) * 4), x_ND, W, b_V, y_N, keep, axis=axis,
+    """(log_probs, entropy, argmax, lse), per row, and with cfg.keep_logits the logits [N, V]
+    (the device's classes on a split head) for `grads`; keep: bool [N], the only rows
+    computed (`jax_impl.rows.row_loop`; the others' outputs are 0), or None. axis: the
+    shard_map axis of a head split over the vocabulary (W and b this device's classes, y
+    global), or None; under jit, split over sharded operands (`jax_impl.partitioned`)."""
+    outputs = ("n",) * 4 + (("n v",) if cfg.keep_logits else ())
+    return partitioned.run(_forward_pass, cfg, _layout(cfg, ("n",), outputs), x_ND, W, b_V, y_N, keep, axis=axis,
                            whole=cfg.unpartitioned)
 
 
 def _forward_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, keep):
     cfg = _local(cfg, axes, x_ND, W)
     rule = _LogProbsRule(cfg, b_V, compute_dtype(x_ND.dtype), axes.vocab)
-    return engine.forward(rule, cfg.head(x_ND, W, b_V), (x_ND, y_N), cfg.block_rows, keep=keep, axis=axes.vocab)[0]
+    return engine.forward(rule, cfg.head(x_ND, W, b_V), (x_ND, y_N), cfg.block_rows, keep=keep, axis=axes.vocab,
+                          keep_logits=cfg.keep_logits)[0]
 
 
 def forward_with_grads(x_ND, W, b_V, y_N, per_row, cfg: DistillConfig, upstream, keep=None, axis: str | None = None):
@@ -177,13 +180,17 @@ class _LogProbsCall(engine.Call):
     axis: str | None = None
     grads_in_forward = False  # the upstream gradients are per-row arrays: they come in the backward pass
 
+    def primal(self):
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
+
     def forward(self, arrays, with_grads):
-        logp, entropy, argmax, lse = forward(*arrays, self.cfg, axis=self.axis)
-        return (logp, entropy, argmax), (lse, entropy), None
+        logp, entropy, argmax, lse, *kept = forward(*arrays, self.cfg, axis=self.axis)
+        return (logp, entropy, argmax), (lse, entropy, *kept), None
 
     def backward(self, arrays, saved, cotangents):
-        g_lp, g_H, _ = cotangents
-        return grads(*arrays, *saved, g_lp, g_H if self.with_entropy else None, self.cfg, axis=self.axis)
+        (g_lp, g_H, _), (lse, entropy, *kept) = cotangents, saved
+        return grads(*arrays, lse, entropy, g_lp, g_H if self.with_entropy else None, self.cfg, axis=self.axis,
+                     logits=kept[0] if kept else None)
 
 
 def log_probs(x_ND, W, b_V, y_N, cfg: DistillConfig, with_entropy: bool, axis: str | None = None):
@@ -191,19 +198,23 @@ def log_probs(x_ND, W, b_V, y_N, cfg: DistillConfig, with_entropy: bool, axis: s
     return engine.apply(_LogProbsCall(cfg, with_entropy, axis), x_ND, W, b_V, y_N)
 
 
-def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=None, axis: str | None = None):
+def grads(x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, cfg: DistillConfig, keep=None, axis: str | None = None,
+          logits=None):
     """(dx, dW, db) for the upstream gradients of the log-probabilities and entropy ([N];
-    g_H None when the entropy has none), recomputing the logits block by block; keep and
+    g_H None when the entropy has none), recomputing the logits block by block, or from the
+    forward pass's `logits` [N, V] where it kept them (`engine.backward_kept`); keep and
     axis: as for `forward_with_grads`."""
-    layout = _layout(cfg, ("n",) * 5, _grads_factors(b_V))
-    return partitioned.run(_grads_pass, cfg, layout, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep, axis=axis,
-                           whole=cfg.unpartitioned)
+    layout = _layout(cfg, ("n",) * 5 + ("n v",), _grads_factors(b_V))
+    return partitioned.run(_grads_pass, cfg, layout, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep, logits,
+                           axis=axis, whole=cfg.unpartitioned)
 
 
-def _grads_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep):
+def _grads_pass(cfg: DistillConfig, axes: Axes, x_ND, W, b_V, y_N, lse, entropy, g_lp, g_H, keep, logits):
     cfg, axis, wide = _local(cfg, axes, x_ND, W), axes.vocab, lse.dtype
     per_row = (x_ND, y_N, lse, entropy, _upstream(g_lp, y_N, cfg, wide, axis))
     per_row += () if g_H is None else (g_H.astype(wide),)
-    return engine.backward(_LogProbsRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V), per_row, cfg.block_rows,
-                           cfg.accumulate_dtype(W.dtype), keep, axis)
+    rule, head = _LogProbsRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V)
+    if logits is not None:
+        return engine.backward_kept(rule, head, per_row, logits, cfg.block_rows, axis)
+    return engine.backward(rule, head, per_row, cfg.block_rows, cfg.accumulate_dtype(W.dtype), keep, axis)
 

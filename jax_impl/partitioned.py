@@ -200,9 +200,11 @@ def _split(job: _Pass, mesh, arg_shapes) -> Axes:
 
 def _spec(factors: str, axes: Axes, output: bool = False) -> P:
     """The PartitionSpec of one operand or output (an output's classes on the rows' axes
-    where the head's are, `Axes.classes_on_rows`)."""
+    where the head's are, `Axes.classes_on_rows`, unless it has rows too: logits, whose
+    rows are the device's and classes the gathered head's)."""
     rows = axes.rows if len(axes.rows) != 1 else axes.rows[0]
-    place = {"n": rows or None, "v": rows if output and axes.classes_on_rows else axes.vocab}
+    by_class = output and axes.classes_on_rows and "n" not in factors.split()
+    place = {"n": rows or None, "v": rows if by_class else axes.vocab}
     return P(*(place.get(f) for f in factors.split()))
 
 

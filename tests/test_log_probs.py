@@ -414,3 +414,97 @@ def test_auto_is_speed_where_it_fits_in_pytorch(monkeypatch):
     monkeypatch.setattr(torch_impl.steps, "speed_extra_bytes", lambda *a: float("inf"))
     torch_impl.linear_log_probs(x, W, y).sum().backward()
     assert planned == ["memory", "memory"], planned  # the forward pass's choice, then the backward's
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_speed_keeps_the_logits_for_the_backward_pass_where_they_fit(monkeypatch, dtype):
+    """Where "speed"'s logits take at most Tuning.keep_logits_share of the free memory, JAX's
+    forward pass returns them as a residual and the backward pass turns them into dz in
+    place (`jax_impl.engine.backward_kept`): the float64 reference's outputs and gradients
+    in every case, in row blocks of 5 (SMALL) and in one block. Share 0, "memory" and a
+    call that nothing differentiates keep nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+    import jax_impl.engine as engine
+    from jax_impl import partitioned
+
+    # the spies see traces: none cached by earlier calls (on a GPU those keep their logits too)
+    jax.clear_caches()
+    partitioned._with_vmap.cache_clear()
+    kept, spent = [], []
+    forward, backward = engine.forward, engine.backward_kept
+    monkeypatch.setattr(engine, "forward", lambda *a, **k: kept.append(k.get("keep_logits")) or forward(*a, **k))
+    monkeypatch.setattr(engine, "backward_kept", lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k))
+    monkeypatch.setattr(engine, "free_bytes", lambda platform: 1 << 40)
+    for tuning in (SMALL, dataclasses.replace(SMALL, speed_block_elements=1 << 20)):
+        for case in sorted(CASES):
+            p, options, g_lp, g_H = _problem(case, dtype)
+            spent.clear()
+            got = run_jax(p, options, g_lp, g_H, strategy="speed", tuning=tuning)
+            assert spent == [(p.y.size, p.W.shape[0])], (case, spent)
+            check(got, _reference(p, options, g_lp, g_H), dtype, CASES[case][1].get("logit_scale", 1.0), case)
+    p, options, g_lp, g_H = _problem("plain", dtype)
+    spent.clear()
+    run_jax(p, options, g_lp, g_H, strategy="speed", tuning=dataclasses.replace(SMALL, keep_logits_share=0.0))
+    run_jax(p, options, g_lp, g_H, strategy="memory")
+    kept.clear()
+    x, W = jnp.asarray(p.x, getattr(jnp, dtype)), jnp.asarray(p.W, getattr(jnp, dtype))
+    jax.jit(lambda x, W: jax_impl.linear_log_probs(x, W, jnp.asarray(p.y.astype(np.int32)), strategy="speed",
+                                                   tuning=SMALL))(x, W)
+    assert spent == [] and not any(kept), (spent, kept)
+
+
+KEPT_MESH_SCRIPT = r'''
+import dataclasses
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_impl, jax_impl.engine as engine
+from tests.frameworks import SMALL
+
+spent = []
+backward = engine.backward_kept
+engine.backward_kept = lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k)
+engine.free_bytes = lambda platform: 1 << 40
+rng = np.random.default_rng(0)
+N, D, V = 16, 8, 24
+x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+W = jnp.asarray(rng.standard_normal((V, D)) * 0.5, jnp.float32)
+y = jnp.asarray(rng.integers(0, V, N), jnp.int32).at[3].set(-100)
+g_lp, g_h = (jnp.asarray(rng.standard_normal(N), jnp.float32) for _ in range(2))
+
+def objective(x, W, t):
+    lp, H = jax_impl.linear_log_probs(x, W, y, return_entropy=True, softcap=3.0, strategy="speed", tuning=t)
+    return (lp * g_lp).sum() + (H * g_h).sum()
+
+grad = jax.jit(jax.grad(objective, (0, 1)), static_argnums=2)
+want = grad(x, W, dataclasses.replace(SMALL, keep_logits_share=0.0))
+assert spent == []
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("r", "c"))
+for name, xs, ws, local in (("rows", P("r", None), P(), (8, 24)), ("rows and vocabulary", P("r", None), P("c", None), (8, 12)),
+                            ("FSDP", P(("r", "c"), None), P(("r", "c"), None), (4, 24))):
+    spent.clear()
+    got = grad(jax.device_put(x, NamedSharding(mesh, xs)), jax.device_put(W, NamedSharding(mesh, ws)), SMALL)
+    assert local in spent, (name, spent)  # (the body is traced at the whole shapes too)
+    for a, b in zip(got, want):
+        err = float(jnp.abs(a - b).max() / jnp.abs(b).max())
+        assert err < 1e-6, (name, err)
+print("all equal")
+'''
+
+
+def test_jax_kept_logits_under_a_mesh():
+    """On 4 CPU devices under jit, the kept logits are each device's rows and classes: rows
+    sharded, rows and a head split over the vocabulary, and an FSDP-sharded head (its
+    classes gathered): the gradients of the recomputing backward pass."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               LOGITLESS_PALLAS_INTERPRET="1", PYTHONPATH=repo)
+    done = subprocess.run([sys.executable, "-c", KEPT_MESH_SCRIPT], env=env, cwd=repo, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "all equal" in done.stdout, done.stderr[-4000:]
