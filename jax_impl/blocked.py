@@ -49,6 +49,7 @@ class BlockedConfig:
     tuning: Tuning
     kernel_products: bool = False  # "memory" blocks multiplied by `row_products`' kernels, not XLA
     split_rows: object = None  # the Axes of rows split across devices (`Head.split_rows`), or None
+    keep_logits: bool = False  # the forward pass keeps the logits for the backward pass (`engine.keeps_logits`)
 
     @property
     def tail_split(self) -> int:
@@ -101,7 +102,8 @@ class Problem(Head):
         self.cw = None if cw_V is None else cw_V.astype(self.wide)
         self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
         self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, self.wide)
-        self.keep = self.rows.valid if cfg.skip_ignored else None  # the rows row_loop must compute
+        # the rows row_loop must compute (kept logits hold every row's)
+        self.keep = self.rows.valid if cfg.skip_ignored and not cfg.keep_logits else None
 
 
 def split_config(cfg: BlockedConfig) -> BlockedConfig:

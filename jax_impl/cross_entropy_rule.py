@@ -118,8 +118,9 @@ class _CrossEntropyRule(engine.Rule):
 
 
 def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool, axis: str | None = None, scale=None):
-    """(loss, lse [N], grads) where grads = (dx, dW, db) for an upstream gradient of 1 if
-    with_grads (whole-row blocks), else None. axis: a head split over the vocabulary (W and
+    """(loss, lse [N], grads, logits) where grads = (dx, dW, db) for an upstream gradient of 1
+    if with_grads (whole-row blocks), else None, and logits [N, V] with cfg.keep_logits
+    (`engine.forward`'s, for `backward`), else None. axis: a head split over the vocabulary (W and
     b this device's equal slice of the classes, cw_V and y_N whole; `blocked.split_config`):
     each row block's statistics are combined over it before its dz, so the gradients still
     come from one product per block (6 N D V / P flops per device); grad_input is summed
@@ -127,7 +128,7 @@ def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool, axis:
     of a mean over rows split across devices (`_local`), taken into dz's coefficients: a
     pass over grad_weight and its copy saved, and dz rounded as one device rounds it."""
     prob, y_cols, rows, cw_sum, vocab = _call(x_ND, W, b_V, cw_V, y_N, cfg, axis)
-    opts, grads = cfg.options, None
+    opts, grads, kept = cfg.options, None, ()
     if cfg.fused_stats and not with_grads:
         lse, s_y, ws = _combined(_fused_row_stats(prob, x_ND, y_cols), axis)
     else:
@@ -135,18 +136,23 @@ def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool, axis:
             scale = 1.0 / rows.cw_y.sum() if opts.reduction == "mean" else jnp.asarray(1.0, prob.wide)
         per_row = (x_ND, rows.safe_y if axis is None else y_N, rows.valid, rows.bad, rows.in_range, rows.cw_y)
         acc = W.dtype if cfg.accumulate_in_input_dtype else prob.wide
-        (lse, s_y, ws), grads = engine.forward(_CrossEntropyRule(prob, axis, cw_sum, vocab, scale), prob, per_row,
-                                               cfg.block_rows, with_grads, acc, prob.keep, axis, cfg.tail_split)
-    return reduce_loss(row_loss(lse, s_y, ws, rows, opts, cw_sum, vocab), rows, opts.reduction), lse, grads
+        (lse, s_y, ws, *kept), grads = engine.forward(_CrossEntropyRule(prob, axis, cw_sum, vocab, scale), prob,
+                                                      per_row, cfg.block_rows, with_grads, acc, prob.keep, axis,
+                                                      cfg.tail_split, cfg.keep_logits and not with_grads)
+    loss = reduce_loss(row_loss(lse, s_y, ws, rows, opts, cw_sum, vocab), rows, opts.reduction)
+    return loss, lse, grads, kept[0] if kept else None
 
 
-def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig, axis: str | None = None):
-    """(dx, dW, db) recomputing the logits block by block; axis as for `forward`."""
+def backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, cfg: BlockedConfig, axis: str | None = None, logits=None):
+    """(dx, dW, db) recomputing the logits block by block, or from the forward pass's
+    `logits` where it kept them (`engine.backward_kept`); axis as for `forward`."""
     prob, y_cols, rows, cw_sum, vocab = _call(x_ND, W, b_V, cw_V, y_N, cfg, axis)
     coefs = row_coefficients(g_loss, g_lse, lse_N, rows, cw_sum, cfg.options, vocab)
+    rule, per_row = _CrossEntropyRule(prob, None), (x_ND, y_cols, lse_N) + tuple(coefs)
+    if logits is not None:
+        return engine.backward_kept(rule, prob, per_row, logits, cfg.block_rows, axis)
     acc = W.dtype if cfg.accumulate_in_input_dtype else prob.wide
-    return engine.backward(_CrossEntropyRule(prob, None), prob, (x_ND, y_cols, lse_N) + tuple(coefs), cfg.block_rows,
-                           acc, prob.keep, axis, cfg.tail_split)
+    return engine.backward(rule, prob, per_row, cfg.block_rows, acc, prob.keep, axis, cfg.tail_split)
 
 
 def _layout(cfg: BlockedConfig, outputs: tuple) -> Layout:
@@ -173,39 +179,45 @@ def _local(cfg: BlockedConfig, axes: Axes, x_ND, W, y_N, cw_V):
     local = blocked.plan(cfg.tuning, opts, cfg.weight_layout, cfg.strategy, x_ND.shape[0], x_ND.shape[1], vocab,
                          x_ND.dtype, cfg.accumulate_in_input_dtype, cfg.return_lse, "cpu" if cfg.interpret else "gpu",
                          whole if axes.vocab else None, split_rows=axes if axes.rows else None)
+    local = dataclasses.replace(local, keep_logits=cfg.keep_logits)
     return (blocked.split_config(local) if axes.vocab else local), scale
 
 
 def _forward_pass(static, axes: Axes, x_ND, W, b_V, cw_V, y_N):
-    """(loss, lse, dx, dW, db) of a device's rows and classes; the gradients (for an upstream
-    gradient of 1) where static's with_grads is set, else None."""
+    """(loss, lse, dx, dW, db, logits) of a device's rows and classes; the gradients (for an
+    upstream gradient of 1) where static's with_grads is set, else None; the logits where
+    the plan keeps them, else None."""
     cfg, with_grads = static
     local, scale = _local(cfg, axes, x_ND, W, y_N, cw_V)
-    loss, lse, grads = forward(x_ND, W, b_V, cw_V, y_N, local, with_grads, axes.vocab, scale)
+    loss, lse, grads, logits = forward(x_ND, W, b_V, cw_V, y_N, local, with_grads, axes.vocab, scale)
     loss = loss if scale is None else (loss * scale).astype(loss.dtype)
-    return (loss, lse) + (grads or (None,) * 3)
+    return (loss, lse) + (grads or (None,) * 3) + (logits,)
 
 
-def _backward_pass(cfg: BlockedConfig, axes: Axes, g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N):
-    """(dx, dW, db) of a device's rows and classes, recomputing its logits."""
+def _backward_pass(cfg: BlockedConfig, axes: Axes, g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, logits):
+    """(dx, dW, db) of a device's rows and classes, from its kept logits or recomputing them."""
     local, scale = _local(cfg, axes, x_ND, W, y_N, cw_V)
     g_loss = g_loss if scale is None else g_loss * scale
-    return backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, local, axes.vocab)
+    return backward(g_loss, g_lse, x_ND, W, b_V, cw_V, y_N, lse_N, local, axes.vocab, logits)
 
 
 def _forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis, with_grads: bool):
     loss = "" if cfg.options.reduction != "none" else "n"
     grads = ("n d", "W", None if b_V is None else "v") if with_grads else (None,) * 3
-    return partitioned.run(_forward_pass, (cfg, with_grads), _layout(cfg, (loss, "n") + grads), x_ND, W, b_V, cw_V, y_N,
-                           axis=axis)
+    kept = "n v" if cfg.keep_logits and not with_grads else None
+    return partitioned.run(_forward_pass, (cfg, with_grads), _layout(cfg, (loss, "n") + grads + (kept,)), x_ND, W, b_V,
+                           cw_V, y_N, axis=axis)
 
 
 def _statistics(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis):
-    """(loss, lse): the kernels' through `partitioned`; "chunked"'s directly (plain XLA, which
-    the partitioner splits itself, and which stays differentiable)."""
+    """(loss, lse, logits): the kernels' through `partitioned`; "chunked"'s directly (plain
+    XLA, which the partitioner splits itself, and which stays differentiable); logits
+    where the plan keeps them, else None."""
     if cfg.strategy == "chunked":
-        return forward(x_ND, W, b_V, cw_V, y_N, cfg, False, axis)[:2]
-    return _forward(x_ND, W, b_V, cw_V, y_N, cfg, axis, False)[:2]
+        loss, lse, _, logits = forward(x_ND, W, b_V, cw_V, y_N, cfg, False, axis)
+        return loss, lse, logits
+    loss, lse, *_, logits = _forward(x_ND, W, b_V, cw_V, y_N, cfg, axis, False)
+    return loss, lse, logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,21 +229,24 @@ class CrossEntropyCall(engine.Call):
     cfg: BlockedConfig
     axis: str | None = None
 
+    def primal(self):
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
+
     def forward(self, arrays, with_grads):
         if with_grads:
-            loss, lse, *grads = _forward(*arrays, self.cfg, self.axis, True)
+            loss, lse, *grads, _ = _forward(*arrays, self.cfg, self.axis, True)
             return (loss, lse), None, tuple(grads)
-        loss, lse = _statistics(*arrays, self.cfg, self.axis)
-        return (loss, lse), lse, None
+        loss, lse, logits = _statistics(*arrays, self.cfg, self.axis)
+        return (loss, lse), (lse, logits), None
 
-    def backward(self, arrays, lse, cotangents):
-        cfg, (g_loss, g_lse) = self.cfg, cotangents
+    def backward(self, arrays, saved, cotangents):
+        cfg, (g_loss, g_lse), (lse, logits) = self.cfg, cotangents, saved
         if cfg.strategy == "chunked":
             return backward(g_loss, g_lse, *arrays, lse, cfg, self.axis)
         grads = ("n d", "W", None if arrays[2] is None else "v")
-        layout = Layout(("" if cfg.options.reduction != "none" else "n", "n") + _layout(cfg, ()).operands + ("n",),
+        layout = Layout(("" if cfg.options.reduction != "none" else "n", "n") + _layout(cfg, ()).operands + ("n", "n v"),
                         _layout(cfg, grads).outputs)
-        return partitioned.run(_backward_pass, cfg, layout, g_loss, g_lse, *arrays, lse, axis=self.axis)
+        return partitioned.run(_backward_pass, cfg, layout, g_loss, g_lse, *arrays, lse, logits, axis=self.axis)
 
 
 def blocked_linear_cross_entropy(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, axis: str | None = None):

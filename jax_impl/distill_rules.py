@@ -76,16 +76,20 @@ class DistillConfig:
 
 
 def plan_steps(t: Tuning, loss: str, options, weight_layout, strategy, n_rows, hidden, vocab, dtype,
-               accumulate_in_input_dtype, platform, whole_vocab: int | None = None) -> DistillConfig:
+               accumulate_in_input_dtype, platform, whole_vocab: int | None = None,
+               recomputes: bool = False) -> DistillConfig:
     """The configuration of a call of the block-step losses (loss "distillation" or
     "log_probs", the policy loss's too): `interop.planning.plan`'s blocks; a dense teacher's
     logits are blocked beside the student's (2 buffers); whole_vocab: a split head's classes
-    (vocab: the device's)."""
+    (vocab: the device's); recomputes: the call's backward pass would recompute the logits
+    (its upstream gradients unknown in the forward pass), which its forward pass then keeps
+    where `engine.keeps_logits` says so."""
     buffers = 2 if isinstance(options, DenseDistillationOptions) else 1
     p = planning.plan(t, "jax", loss, strategy, n_rows, hidden, vocab, jnp.dtype(dtype).itemsize,
                       accumulate_in_input_dtype, buffers=buffers, whole_vocab=whole_vocab)
+    keep = recomputes and engine.keeps_logits(t, strategy, p.cols >= vocab, n_rows, vocab, dtype, platform)
     return DistillConfig(options, weight_layout, strategy, p.rows, p.cols, vocab, p.narrow_accumulator,
-                         interpret=platform != "gpu", kernel_products=p.kernel_products)
+                         interpret=platform != "gpu", kernel_products=p.kernel_products, keep_logits=keep)
 
 
 def _vocab(W, cfg: DistillConfig) -> int:
@@ -168,17 +172,19 @@ def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, c
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
     outs, grads = engine.forward(_TopKRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V),
                                  (x_ND, y_N, r_N) + _teacher_rows(teacher), cfg.block_rows, with_grads,
-                                 cfg.accumulate_dtype(W.dtype), axis=axis)
-    return reduce_rows(outs[0], valid_N, o.reduction, num_items), outs[1:5], grads
+                                 cfg.accumulate_dtype(W.dtype), axis=axis, keep_logits=cfg.keep_logits and not with_grads)
+    return reduce_rows(outs[0], valid_N, o.reduction, num_items), outs[1:], grads
 
 
 def _topk_backward(g_loss, x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, saved, cfg: DistillConfig,
                    axis: str | None = None):
     wide = compute_dtype(x_ND.dtype)
     r_N = row_weights(valid_N, cfg.options.reduction, g_loss, num_items, wide)
-    per_row = (x_ND, y_N, r_N) + _teacher_rows(teacher) + tuple(saved)
-    return engine.backward(_TopKRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V), per_row, cfg.block_rows,
-                           cfg.accumulate_dtype(W.dtype), axis=axis)
+    per_row = (x_ND, y_N, r_N) + _teacher_rows(teacher) + tuple(saved[:4])
+    rule, head = _TopKRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V)
+    if saved[4] is not None:
+        return engine.backward_kept(rule, head, per_row, saved[4], cfg.block_rows, axis)
+    return engine.backward(rule, head, per_row, cfg.block_rows, cfg.accumulate_dtype(W.dtype), axis=axis)
 
 
 def _topk_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
@@ -196,12 +202,13 @@ def _topk_forward_pass(static, axes: Axes, x_ND, W, b_V, *rows):
     cfg = cfg.local(x_ND.shape[0], _vocab(W, cfg), axes)
     loss, saved, grads = _topk_forward(x_ND, W, b_V, TopKTeacher(*teacher), y_N, valid_N, num_items, cfg, with_grads,
                                        axes.vocab)
-    return (loss, *saved, *(grads or (None,) * 3))
+    saved += (None,) * (5 - len(saved))  # no logits kept
+    return (loss, *saved[:4], *(grads or (None,) * 3), saved[4])
 
 
 def _topk_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, *saved_and_rows):
-    *saved, x_ND, W, b_V = saved_and_rows[:7]
-    *teacher, y_N, valid_N, num_items = saved_and_rows[7:]
+    *saved, x_ND, W, b_V = saved_and_rows[:8]
+    *teacher, y_N, valid_N, num_items = saved_and_rows[8:]
     cfg = cfg.local(x_ND.shape[0], _vocab(W, cfg), axes)
     return _topk_backward(g_loss, x_ND, W, b_V, TopKTeacher(*teacher), y_N, valid_N, num_items, saved, cfg, axes.vocab)
 
@@ -210,14 +217,19 @@ def _loss_factors(cfg: DistillConfig) -> str:
     return "n" if cfg.options.reduction == "none" else ""
 
 
+def _kept_factors(cfg: DistillConfig, with_grads: bool):
+    """The kept logits' factors where a forward pass keeps them, else None."""
+    return "n v" if cfg.keep_logits and not with_grads else None
+
+
 def _topk_passes_forward(x_ND, W, b_V, teacher, y_N, valid_N, num_items, cfg, with_grads, axis):
     """(loss, saved, grads or None) through `jax_impl.partitioned`."""
     num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
     grads = ("n d", "W", None if b_V is None else "v") if with_grads else (None,) * 3
-    layout = _topk_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n", "n k") + grads)
+    layout = _topk_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n", "n k") + grads + (_kept_factors(cfg, with_grads),))
     loss, *rest = partitioned.run(_topk_forward_pass, (cfg, with_grads), layout, x_ND, W, b_V, *teacher,
                                   y_N, valid_N, num_items, axis=axis, whole=cfg.unpartitioned)
-    return loss, tuple(rest[:4]), (tuple(rest[4:]) if with_grads else None)
+    return loss, tuple(rest[:4]) + (rest[7],), (tuple(rest[4:7]) if with_grads else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,13 +241,17 @@ class _TopKCall(engine.Call):
     cfg: DistillConfig
     axis: str | None = None
 
+    def primal(self):
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
+
     def forward(self, arrays, with_grads):
         return _topk_passes_forward(*arrays, self.cfg, with_grads, self.axis)
 
     def backward(self, arrays, saved, g_loss):
         cfg, (x_ND, W, b_V, teacher, y_N, valid_N, num_items) = self.cfg, arrays
         num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
-        layout = _topk_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n k"), ("n d", "W", None if b_V is None else "v"))
+        layout = _topk_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n k", "n v"),
+                              ("n d", "W", None if b_V is None else "v"))
         return partitioned.run(_topk_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, b_V, *teacher,
                                y_N, valid_N, num_items, axis=self.axis, whole=cfg.unpartitioned)
 
@@ -317,8 +333,8 @@ def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, w
     rule, student, wide = _dense_rule(cfg, x_ND, W, xt_ND, Wt, axis)
     r_N = row_weights(valid_N, cfg.options.reduction, 1.0, num_items, wide)
     outs, grads = engine.forward(rule, student, (x_ND, xt_ND, r_N), cfg.block_rows, with_grads,
-                                 cfg.accumulate_dtype(W.dtype), axis=axis)
-    return reduce_rows(outs[0], valid_N, cfg.options.reduction, num_items), outs[1:4], grads and grads[:2]
+                                 cfg.accumulate_dtype(W.dtype), axis=axis, keep_logits=cfg.keep_logits and not with_grads)
+    return reduce_rows(outs[0], valid_N, cfg.options.reduction, num_items), outs[1:], grads and grads[:2]
 
 
 def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: DistillConfig,
@@ -326,8 +342,10 @@ def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: 
     rule, student, wide = _dense_rule(cfg, x_ND, W, xt_ND, Wt, axis)
     o = cfg.options
     coef_N = row_weights(valid_N, o.reduction, g_loss, num_items, wide) * (o.scale / o.temperature)
-    return engine.backward(rule, student, (x_ND, xt_ND, coef_N) + tuple(saved), cfg.block_rows,
-                           cfg.accumulate_dtype(W.dtype), axis=axis)[:2]
+    per_row = (x_ND, xt_ND, coef_N) + tuple(saved[:3])
+    if saved[3] is not None:
+        return engine.backward_kept(rule, student, per_row, saved[3], cfg.block_rows, axis)[:2]
+    return engine.backward(rule, student, per_row, cfg.block_rows, cfg.accumulate_dtype(W.dtype), axis=axis)[:2]
 
 
 def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
@@ -343,23 +361,25 @@ def _dense_forward_pass(static, axes: Axes, x_ND, W, xt_ND, Wt, valid_N, num_ite
     cfg, with_grads = static
     cfg = cfg.local(x_ND.shape[0], cfg.vocab, axes)
     loss, saved, grads = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads, axes.vocab)
-    return (loss, *saved, *(grads or (None,) * 2))
+    saved += (None,) * (4 - len(saved))  # no logits kept
+    return (loss, *saved[:3], *(grads or (None,) * 2), saved[3])
 
 
-def _dense_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, lse_s, lse_t, kl_q, x_ND, W, xt_ND, Wt, valid_N,
-                         num_items):
+def _dense_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, lse_s, lse_t, kl_q, logits, x_ND, W, xt_ND, Wt,
+                         valid_N, num_items):
     cfg = cfg.local(x_ND.shape[0], cfg.vocab, axes)
-    return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, (lse_s, lse_t, kl_q), cfg, axes.vocab)
+    return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, (lse_s, lse_t, kl_q, logits), cfg,
+                           axes.vocab)
 
 
 def _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads, axis):
     """(loss, saved, grads or None) through `jax_impl.partitioned`."""
     num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
     grads = ("n d", "W") if with_grads else (None,) * 2
-    layout = _dense_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n") + grads)
+    layout = _dense_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n") + grads + (_kept_factors(cfg, with_grads),))
     loss, *rest = partitioned.run(_dense_forward_pass, (cfg, with_grads), layout, x_ND, W, xt_ND, Wt, valid_N,
                                   num_items, axis=axis, whole=cfg.unpartitioned)
-    return loss, tuple(rest[:3]), (tuple(rest[3:]) if with_grads else None)
+    return loss, tuple(rest[:3]) + (rest[5],), (tuple(rest[3:5]) if with_grads else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,13 +392,16 @@ class _DenseCall(engine.Call):
     axis: str | None = None
     n_grads = 2
 
+    def primal(self):
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
+
     def forward(self, arrays, with_grads):
         return _dense_passes_forward(*arrays, self.cfg, with_grads, self.axis)
 
     def backward(self, arrays, saved, g_loss):
         cfg, (x_ND, W, xt_ND, Wt, valid_N, num_items) = self.cfg, arrays
         num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
-        layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n"), ("n d", "W"))
+        layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n v"), ("n d", "W"))
         return partitioned.run(_dense_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, xt_ND, Wt, valid_N,
                                num_items, axis=self.axis, whole=cfg.unpartitioned)
 

@@ -93,7 +93,8 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
     platform = platform_of(input)
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
     cfg = plan_steps(tuning, "distillation", o, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
-                     accumulate_in_input_dtype, platform, None if vocab_parallel is None else V)
+                     accumulate_in_input_dtype, platform, None if vocab_parallel is None else V,
+                     recomputes=o.reduction == "none")
     num_items = denominator(num_items_in_batch, wide)
 
     def rows(x, W, b, ids, logprobs, bad, valid, y_kernel, num_items):
@@ -155,7 +156,8 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
     platform = platform_of(input)
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, vocab, platform, tuning)
     cfg = plan_steps(tuning, "distillation", o, weight_layout, strategy, n, shape.hidden, vocab, input.dtype,
-                     accumulate_in_input_dtype, platform, None if vocab_parallel is None else classes)
+                     accumulate_in_input_dtype, platform, None if vocab_parallel is None else classes,
+                     recomputes=o.reduction == "none")
 
     def rows(x, W, xt, Wt, valid, num_items):
         xt_ND = jax.lax.stop_gradient(xt.reshape(n, shape.teacher_hidden))

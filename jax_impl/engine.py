@@ -189,10 +189,11 @@ def backward_kept(rule: Rule, head: Head, per_row: tuple, z, block_rows: int, ax
     dz, _ = row_loop(row_step, z, tuple(per_row) + (jnp.arange(n, dtype=jnp.int32),), n, min(block_rows, n))
     x, wide = head.x, compute_dtype(head.x.dtype)
     dx_dtype = wide if axis is not None else x.dtype
-    if head.split_rows is not None:
+    if head.split_rows is not None and head.vocab == head.W.shape[0 if head.vd else 1]:
         dW, db, dx = head.summed_row_shares(dz, x, dx_dtype)
         return _grads(head, dx, (dW, db), axis, summed=True)
-    dW, db = _buffers(head, head.W.dtype, head.b is not None, n)
+    # one product in W's dtype (a partial sum over split rows in fp32)
+    dW, db = _buffers(head, wide, head.b is not None, n)
     dW, db, dx = head.add_row_shares(dz, x, dW, db, dx_dtype)
     return _grads(head, dx, (dW, db), axis)
 

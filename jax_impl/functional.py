@@ -15,6 +15,7 @@ from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs
 from interop.tuning import Tuning
 from jax_impl import blocked, kernels
 from jax_impl.cross_entropy_rule import blocked_linear_cross_entropy
+from jax_impl.engine import keeps_logits
 from jax_impl.rows import narrow_targets
 from jax_impl.sharding import on_mesh, row_spec, varying_axes, with_rows_axes
 
@@ -205,6 +206,10 @@ def linear_cross_entropy(
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
     cfg = blocked.plan(tuning, opts, weight_layout, strategy, n, shape.hidden, local_vocab, input.dtype,
                        accumulate_in_input_dtype, return_lse, platform, None if vocab_parallel is None else shape.vocab)
+    # whole rows with the gradients in the backward pass
+    recomputes = cfg.layout == "rows" and not cfg.grads_in_forward and not cfg.fused_stats
+    cfg = dataclasses.replace(cfg, keep_logits=keeps_logits(tuning, cfg.strategy, recomputes, n, local_vocab, input.dtype,
+                                                             platform))
     if vocab_parallel is not None:
         linear_weight, linear_bias = with_rows_axes((linear_weight, linear_bias), input)
         loss, lse = blocked_linear_cross_entropy(input.reshape(n, shape.hidden), linear_weight, linear_bias, weight,

@@ -13,7 +13,6 @@ from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
 from jax_impl.distill_rules import plan_steps
-from jax_impl.engine import keeps_logits
 from jax_impl.functional import (as_array, check_target_range, choose_strategy, dtype_name, maybe_array, platform_of,
                                  shape_of, whole_vocab)
 from jax_impl.log_probs_rule import log_probs
@@ -74,9 +73,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
     strategy = choose_strategy(strategy, input.dtype, n, shape.hidden, local_vocab, platform, tuning)
     cfg = plan_steps(tuning, "log_probs", dataclasses.replace(o, ignore_index=ignore32), weight_layout, strategy, n,
                      shape.hidden, local_vocab, input.dtype, accumulate_in_input_dtype, platform,
-                     None if vocab_parallel is None else shape.vocab)
-    cfg = dataclasses.replace(cfg, keep_logits=keeps_logits(tuning, cfg.strategy, cfg.block_cols >= cfg.vocab, n,
-                                                             local_vocab, input.dtype, platform))
+                     None if vocab_parallel is None else shape.vocab, recomputes=True)
 
     def rows(x, W, b, y):
         outs = log_probs(x.reshape(n, shape.hidden), W, b, y, cfg, return_entropy, vocab_parallel)

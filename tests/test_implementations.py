@@ -864,3 +864,43 @@ def test_weight_grad_slab_edges():
         assert all(e % t.slab_align == 0 for e in edges[:-1])
     assert len(weight_grad_slabs(t, 128256, 4096 * 4, True)) - 1 == t.weight_grad_slabs  # L: 2 GiB
     assert len(weight_grad_slabs(t, 32000, 1024 * 4, True)) - 1 == 1  # S: one product
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_speed_keeps_the_logits_where_the_backward_pass_would_recompute(monkeypatch, dtype):
+    """Where "speed"'s logits take at most Tuning.keep_logits_share of the free memory and
+    the backward pass would recompute them (lse returned, or a loss per row), JAX's forward
+    pass keeps them and the backward pass turns them into dz in place
+    (`jax_impl.engine.backward_kept`): the float64 reference in every case, in row blocks of
+    4 (SMALL) and in one. A reduced loss without lse forms its gradients in the forward pass
+    and keeps nothing, nor does a call that nothing differentiates."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+    import jax_impl.engine as engine
+    from jax_impl import partitioned
+
+    jax.clear_caches()  # the spies see traces: none cached by earlier calls
+    partitioned._with_vmap.cache_clear()
+    kept, spent = [], []
+    forward, backward = engine.forward, engine.backward_kept
+    monkeypatch.setattr(engine, "forward", lambda *a, **k: kept.append(a[9] if len(a) > 9 else k.get("keep_logits"))
+                        or forward(*a, **k))
+    monkeypatch.setattr(engine, "backward_kept", lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k))
+    monkeypatch.setattr(engine, "free_bytes", lambda platform: 1 << 40)
+    for tuning in (SMALL, dataclasses.replace(SMALL, speed_block_elements=1 << 20)):
+        for case, (options, problem_kwargs, with_lse) in CASES.items():
+            seed = seed_of("kept-logits", case, dtype)
+            p = make_problem(seed, dtype=dtype, **problem_kwargs)
+            g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+            spent.clear()
+            result = JaxAdapter("speed", tuning).run(p, options, g_out, g_lse)
+            recomputes = with_lse or options.get("reduction") == "none"
+            assert spent == ([(p.y.size, p.vocab)] if recomputes else []), (case, spent)
+            check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
+    p = make_problem(3, dtype=dtype)
+    kept.clear()
+    jax.jit(lambda x, W: jax_impl.linear_cross_entropy(x, W, jnp.asarray(p.y.astype(np.int32)), reduction="none",
+                                                       strategy="speed", tuning=SMALL))(jnp.asarray(p.x), jnp.asarray(p.W))
+    assert kept and not any(kept), kept

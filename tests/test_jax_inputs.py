@@ -467,3 +467,68 @@ def test_every_strategy_on_explicit_meshes_and_in_shard_map():
                LOGITLESS_PALLAS_INTERPRET="1", PYTHONPATH=REPO)
     done = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "all equal" in done.stdout, done.stderr[-4000:]
+
+
+KEPT_MESH_SCRIPT = r'''
+import dataclasses
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_impl, jax_impl.engine as engine
+from tests.frameworks import SMALL
+
+spent = []
+backward = engine.backward_kept
+engine.backward_kept = lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k)
+engine.free_bytes = lambda platform: 1 << 40
+rng = np.random.default_rng(0)
+N, D, V = 16, 8, 24
+x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+W = jnp.asarray(rng.standard_normal((V, D)) * 0.5, jnp.float32)
+y = jnp.asarray(rng.integers(0, V, N), jnp.int32).at[3].set(-100)
+g_lp, g_h = (jnp.asarray(rng.standard_normal(N), jnp.float32) for _ in range(2))
+
+def log_probs(x, W, t):
+    lp, H = jax_impl.linear_log_probs(x, W, y, return_entropy=True, softcap=3.0, strategy="speed", tuning=t)
+    return (lp * g_lp).sum() + (H * g_h).sum()
+
+def cross_entropy(x, W, t):
+    loss, lse = jax_impl.linear_cross_entropy(x, W, y, reduction="none", return_lse=True, label_smoothing=0.1,
+                                              strategy="speed", tuning=t)
+    return (loss * g_lp).sum() + (lse * g_h).sum()
+
+ids = jnp.asarray(np.stack([rng.permutation(V)[:4] for _ in range(N)]), jnp.int32)
+teacher = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((N, 4)), jnp.float32))
+
+def topk_none(x, W, t):
+    loss = jax_impl.linear_topk_distillation(x, W, ids, teacher, reduction="none", strategy="speed", tuning=t)
+    return (loss * g_lp).sum()
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("r", "c"))
+for objective in (log_probs, cross_entropy, topk_none):
+    grad = jax.jit(jax.grad(objective, (0, 1)), static_argnums=2)
+    spent.clear()
+    want = grad(x, W, dataclasses.replace(SMALL, keep_logits_share=0.0))
+    assert spent == []
+    for name, xs, ws, local in (("rows", P("r", None), P(), (8, 24)),
+                                ("rows and vocabulary", P("r", None), P("c", None), (8, 12)),
+                                ("FSDP", P(("r", "c"), None), P(("r", "c"), None), (4, 24))):
+        spent.clear()
+        got = grad(jax.device_put(x, NamedSharding(mesh, xs)), jax.device_put(W, NamedSharding(mesh, ws)), SMALL)
+        assert local in spent, (objective.__name__, name, spent)  # (the body is traced at the whole shapes too)
+        for a, b in zip(got, want):
+            err = float(jnp.abs(a - b).max() / jnp.abs(b).max())
+            assert err < 1e-6, (objective.__name__, name, err)
+print("all equal")
+'''
+
+
+def test_jax_kept_logits_under_a_mesh():
+    """On 4 CPU devices under jit, "speed"'s kept logits (log-probabilities; cross-entropy and
+    top-K distillation per row) are each device's rows and classes: rows sharded, rows and
+    a head split over the vocabulary, and an FSDP-sharded head (its classes gathered): the
+    gradients of the recomputing backward pass."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               LOGITLESS_PALLAS_INTERPRET="1", PYTHONPATH=REPO)
+    done = subprocess.run([sys.executable, "-c", KEPT_MESH_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "all equal" in done.stdout, done.stderr[-4000:]
