@@ -38,8 +38,8 @@ class Tuning:
     narrow_speed_block_growth: float = 1.5
     # "speed" keeps a call's logits [A, V] (its rows computed) from its forward pass for its
     # backward pass, where that pass would recompute them (the upstream gradients unknown in
-    # the forward pass: log-probabilities; in PyTorch also lse or per-row losses returned,
-    # distillation), when they take at most this share of the device's free memory: the
+    # the forward pass: log-probabilities, lse or per-row losses returned, distillation per
+    # row), when they take at most this share of the device's free memory: the
     # backward pass then makes 4 N D V flops instead of 6, in one product per gradient over
     # all rows (no fp32 grad_weight accumulator); 0: never (bench/NOTES.md, 2026-11-28, -29).
     keep_logits_share: float = 0.25
