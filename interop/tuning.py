@@ -39,9 +39,11 @@ class Tuning:
     # "speed" keeps a call's logits [A, V] (its rows computed) from its forward pass for its
     # backward pass, where that pass would recompute them (the upstream gradients unknown in
     # the forward pass: log-probabilities, lse or per-row losses returned, distillation per
-    # row), when they take at most this share of the device's free memory: the
-    # backward pass then makes 4 N D V flops instead of 6, in one product per gradient over
-    # all rows (no fp32 grad_weight accumulator); 0: never (bench/NOTES.md, 2026-11-28, -29).
+    # row), when they take at most this share of the device's free memory: the backward
+    # pass then makes 4 N D V flops instead of 6, in one product per gradient over all rows
+    # (no fp32 grad_weight accumulator). 0: never; the remedy where a jitted JAX step runs
+    # out of memory (JAX weighs one call's logits when it is traced, not what the rest of
+    # the step or a jax.vmap batch holds). bench/NOTES.md, 2026-11-28 and 2026-11-29.
     keep_logits_share: float = 0.25
     # "memory" in rows x columns: one logits block plus the fp32 grad_input accumulator of
     # its row block, as a share of the floor (the memory-first bound is a tenth).

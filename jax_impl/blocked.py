@@ -102,8 +102,7 @@ class Problem(Head):
         self.cw = None if cw_V is None else cw_V.astype(self.wide)
         self.cw_sum = self.vocab if self.cw is None else self.cw.sum()
         self.rows = TargetRows.build(y_N, self.cw, self.vocab, cfg.options.ignore_index, self.wide)
-        # the rows row_loop must compute (kept logits hold every row's)
-        self.keep = self.rows.valid if cfg.skip_ignored and not cfg.keep_logits else None
+        self.keep = self.rows.valid if cfg.skip_ignored else None  # the rows row_loop must compute
 
 
 def split_config(cfg: BlockedConfig) -> BlockedConfig:

@@ -8,7 +8,8 @@ kernel plan of whole-row blocks with a reduced loss and no returned lse forms th
 gradients in the forward rule (6 N D V flops) and the backward rule scales them; every
 other plan saves its inputs and lse, and the backward rule recomputes the logits block by
 block (8 N D V flops; grad_weight accumulated in fp32, or in the input dtype for "memory"
-and with accumulate_in_input_dtype). On "chunked"'s jax.numpy steps both rules are plain
+and with accumulate_in_input_dtype), unless "speed" kept them (`engine.keeps_logits`: 6 N D
+V in all). On "chunked"'s jax.numpy steps both rules are plain
 XLA, so the derivative can be differentiated again. The kernel plans' passes run through
 `jax_impl.partitioned`, which splits them over the devices of sharded operands under jit:
 a device plans its blocks for its rows and classes, a split head combines the statistics

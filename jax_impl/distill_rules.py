@@ -6,7 +6,8 @@ As in `torch_impl.distill_rules`: the top-K loss gathers s at the teacher ids fr
 blocks and writes the exact dz there over the grad kernel's dense term; the dense loss
 blocks the teacher's logits like the student's (statistics of both in a first sweep, the
 divergence's row sums in a second). Whole-row blocks with a reduced loss form the gradients
-in the forward rule; otherwise the backward rule recomputes the blocks.
+in the forward rule; otherwise the backward rule recomputes the blocks, or "speed" keeps
+the student's logits for it (`engine.keeps_logits`).
 """
 
 from __future__ import annotations
@@ -166,8 +167,8 @@ class _TopKRule(engine.Rule):
 
 def _topk_forward(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_items, cfg: DistillConfig, with_grads: bool,
                   axis: str | None = None):
-    """(loss, saved = (lse_T, lse_1, s_y, s_ids) per row, grads (dx, dW, db) for an upstream
-    gradient of 1 or None). axis: as for `_TopKRule` (grad_input summed over it)."""
+    """(loss, saved = (lse_T, lse_1, s_y, s_ids) per row and the logits [N, V] where
+    cfg.keep_logits, grads (dx, dW, db) for an upstream gradient of 1 or None). axis: as for `_TopKRule` (grad_input summed over it)."""
     o, wide = cfg.options, compute_dtype(x_ND.dtype)
     r_N = row_weights(valid_N, o.reduction, 1.0, num_items, wide)
     outs, grads = engine.forward(_TopKRule(cfg, b_V, wide, axis), cfg.head(x_ND, W, b_V),
@@ -328,8 +329,8 @@ def _dense_rule(cfg: DistillConfig, x_ND, W, xt_ND, Wt, axis):
 
 def _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg: DistillConfig, with_grads: bool,
                    axis: str | None = None):
-    """(loss, saved = (lse_s, lse_t, b) per row, grads (dx, dW) for an upstream gradient of 1
-    or None). axis: as for `_DenseRule` (grad_input summed over it)."""
+    """(loss, saved = (lse_s, lse_t, b) per row and the logits [N, V] where cfg.keep_logits,
+    grads (dx, dW) for an upstream gradient of 1 or None). axis: as for `_DenseRule` (grad_input summed over it)."""
     rule, student, wide = _dense_rule(cfg, x_ND, W, xt_ND, Wt, axis)
     r_N = row_weights(valid_N, cfg.options.reduction, 1.0, num_items, wide)
     outs, grads = engine.forward(rule, student, (x_ND, xt_ND, r_N), cfg.block_rows, with_grads,

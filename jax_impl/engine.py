@@ -177,7 +177,8 @@ def backward_kept(rule: Rule, head: Head, per_row: tuple, z, block_rows: int, ax
     as the forward pass had them; the loop carries z, which XLA updates where it lies), then
     grad_input and grad_weight are one product each over all rows, grad_weight written in W's
     dtype with no wider accumulator (rows split across devices: summed over them slab by
-    slab in fp32, `Head.summed_row_shares`)."""
+    slab in fp32, `Head.summed_row_shares`; a dense teacher's shared first classes of such
+    a head: an fp32 partial summed after)."""
     n = z.shape[0]
 
     def row_step(z, xs):
@@ -203,7 +204,7 @@ def free_bytes(platform: str) -> int:
     less what its allocator holds in use, 0 elsewhere (host memory is not weighed)."""
     if platform != "gpu":
         return 0
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return max(0, stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0))
 
 
@@ -211,8 +212,10 @@ def keeps_logits(t, strategy: str, whole_rows: bool, n_rows: int, vocab: int, dt
     """Whether a call's forward pass keeps its logits for the backward pass: "speed" in blocks
     of whole rows, whose N x V logits (the input's dtype) take at most
     Tuning.keep_logits_share of the free memory (`free_bytes`, weighed when the call is
-    traced: a jitted function keeps its choice)."""
-    if strategy != "speed" or not whole_rows or n_rows == 0 or t.keep_logits_share <= 0:
+    traced: a jitted function keeps its choice; under jax.vmap each example's logits are
+    weighed, not the batch's). Several processes never keep: each would weigh its own
+    device and might compile another program."""
+    if strategy != "speed" or not whole_rows or n_rows == 0 or t.keep_logits_share <= 0 or jax.process_count() > 1:
         return False
     return n_rows * vocab * jnp.dtype(dtype).itemsize <= t.keep_logits_share * free_bytes(platform)
 

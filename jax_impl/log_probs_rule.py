@@ -2,7 +2,8 @@
 (`jax_impl.engine`), with the "log_prob" steps of `jax_impl.steps`: Pallas kernels
 ("speed", "memory") or jax.numpy ("chunked"), differentiated by `engine.apply`. The forward pass
 merges each block into per-row running statistics and keeps lse and the entropy; the
-backward rule recomputes each block and turns the upstream gradients into dz.
+backward rule recomputes each block (or takes the logits "speed" kept, `engine.keeps_logits`)
+and turns the upstream gradients into dz.
 `forward_with_grads` serves a loss whose upstream gradients each row's own values decide
 (`jax_impl.policy_loss`): it forms them in the forward pass.
 """

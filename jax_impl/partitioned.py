@@ -173,12 +173,14 @@ def _split(job: _Pass, mesh, arg_shapes) -> Axes:
     """The Axes of a pass from its operands' shardings: the rows of the first operand of
     rows and another dimension (the input, whose sharding is the caller's; an upstream
     gradient's can be anything), the classes of the first head (an operand with classes
-    and another dimension)."""
+    and another dimension). Logits kept between the passes ("n v") are neither: their
+    sharding is the pass's own output's."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     specs, _ = _factors(job.layout)
     spec_of = lambda a: tuple(getattr(a.sharding, "spec", ()) or ())
     rows, vocab, classes_on_rows = (), None, False
-    x = next(((a, s.split()) for a, s in zip(arg_shapes, specs) if s.split()[:1] == ["n"] and len(s.split()) > 1), None)
+    given = [(a, s.split()) for a, s in zip(arg_shapes, specs) if not {"n", "v"} <= set(s.split())]
+    x = next(((a, f) for a, f in given if f[:1] == ["n"] and len(f) > 1), None)
     if x is None:
         raise ValueError(f"a partitioned pass needs an operand of rows and another dimension, got {specs}")
     entries = spec_of(x[0])
@@ -186,7 +188,7 @@ def _split(job: _Pass, mesh, arg_shapes) -> Axes:
         rows = _axes(entries[0])
         if rows and x[0].shape[0] % size(rows):
             rows = ()  # uneven rows would be padded: compute every row everywhere instead
-    head = next(((a, s.split()) for a, s in zip(arg_shapes, specs) if "v" in s.split() and len(s.split()) > 1), None)
+    head = next(((a, f) for a, f in given if "v" in f and len(f) > 1), None)
     if head is not None:
         dim = head[1].index("v")
         entries = spec_of(head[0])
@@ -228,8 +230,11 @@ def _infer(job: _Pass, mesh, arg_shapes, result_shape):
 
 
 def _rule(job: _Pass, *_):
-    specs, out_specs = _factors(job.layout)
-    split = {"n", "v"} if job.layout.split_vocab else {"n"}
+    # kept logits ("n v") get a class factor of their own ("w"): tied to the head's, an
+    # FSDP head would have the partitioner shard them by class and move them twice
+    specs, out_specs = ([" ".join("w" if f == "v" and "n" in s.split() else f for f in s.split()) for s in group]
+                        for group in _factors(job.layout))
+    split = {"n", "v", "w"} if job.layout.split_vocab else {"n", "w"}
     # in order of first appearance (the rule's factor indices must be sorted)
     kept = tuple(dict.fromkeys(f for s in specs + out_specs for f in s.split() if f not in split))
     return ", ".join(specs) + " -> " + ", ".join(out_specs), ({"need_replication_factors": tuple(kept)} if kept else {})

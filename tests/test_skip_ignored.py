@@ -231,9 +231,8 @@ def test_cuda_skipping_ignored_rows_matches_reference(skipping, strategy, case, 
 @pytest.mark.parametrize("case", ["mean", "none-classweights", "zloss-softcap-bias"])
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 def test_cuda_jax_skipping_ignored_rows_matches_reference(jax_skipping, strategy, case):
-    """JAX on the GPU: medium odd shapes in several row and column blocks (MEDIUM_SKIPPING), bf16.
-    The logits are not kept (JAX's kept logits hold every row: a "speed" call with a loss
-    per row that keeps them computes the ignored rows too)."""
+    """JAX on the GPU: medium odd shapes in several row and column blocks (MEDIUM_SKIPPING), bf16
+    (a call that skips rows keeps no logits: kept logits would hold every row)."""
     import jax
 
     if jax.default_backend() != "gpu":
@@ -242,7 +241,7 @@ def test_cuda_jax_skipping_ignored_rows_matches_reference(jax_skipping, strategy
     seed = seed_of("cuda-jax-skip", strategy, case)
     p = make_problem(seed, lead=(1000,), hidden=257, vocab=5003, dtype="bfloat16", ignore_frac=0.3, **problem_kwargs)
     g_out, _ = upstream_grads(seed, p, options.get("reduction", "mean"), False)
-    result = JaxAdapter(strategy, dataclasses.replace(MEDIUM_SKIPPING, keep_logits_share=0.0)).run(p, options, g_out, None)
+    result = JaxAdapter(strategy, MEDIUM_SKIPPING).run(p, options, g_out, None)
     check_against_reference(result, reference(p, options, g_out, None), "bfloat16", p.logit_scale)
     assert jax_skipping and all(keep is not None for keep in jax_skipping), "the call computed every row"
 
