@@ -230,9 +230,6 @@ class CrossEntropyCall(engine.Call):
     cfg: BlockedConfig
     axis: str | None = None
 
-    def primal(self):
-        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
-
     def forward(self, arrays, with_grads):
         if with_grads:
             loss, lse, *grads, _ = _forward(*arrays, self.cfg, self.axis, True)

@@ -242,9 +242,6 @@ class _TopKCall(engine.Call):
     cfg: DistillConfig
     axis: str | None = None
 
-    def primal(self):
-        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
-
     def forward(self, arrays, with_grads):
         return _topk_passes_forward(*arrays, self.cfg, with_grads, self.axis)
 
@@ -392,9 +389,6 @@ class _DenseCall(engine.Call):
     cfg: DistillConfig
     axis: str | None = None
     n_grads = 2
-
-    def primal(self):
-        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
 
     def forward(self, arrays, with_grads):
         return _dense_passes_forward(*arrays, self.cfg, with_grads, self.axis)

@@ -31,6 +31,7 @@ them, slab by slab as they are formed where one block holds every row).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -239,8 +240,10 @@ class Call:
 
     def primal(self) -> "Call":
         """This call where nothing differentiates it: one that keeps no logits for a backward
-        pass (`keeps_logits`)."""
-        return self
+        pass (its cfg's keep_logits off, `keeps_logits`)."""
+        if not getattr(self.cfg, "keep_logits", False):
+            return self
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
 
     def forward(self, arrays, with_grads: bool):
         raise NotImplementedError

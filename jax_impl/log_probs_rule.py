@@ -181,9 +181,6 @@ class _LogProbsCall(engine.Call):
     axis: str | None = None
     grads_in_forward = False  # the upstream gradients are per-row arrays: they come in the backward pass
 
-    def primal(self):
-        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, keep_logits=False))
-
     def forward(self, arrays, with_grads):
         logp, entropy, argmax, lse, *kept = forward(*arrays, self.cfg, axis=self.axis)
         return (logp, entropy, argmax), (lse, entropy, *kept), None
