@@ -46,6 +46,9 @@ class Rule:
     """A loss's per-row math (the defaults: one sweep)."""
 
     sweeps = 1
+    # "speed"'s kept logits (`keeps_logits`) may be one block of every row: nothing else of
+    # a block's size [R, V] is formed (a dense teacher's logits are: blocks of block_rows)
+    kept_whole = True
 
     def init(self, xs):
         """The running statistics of a row block before any column."""
@@ -110,6 +113,10 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
     keep_logits (blocks of whole rows, no gradients, every row): the outputs end with the
     logits [N, vocab] (the input's dtype) for `backward_kept`."""
     assert not keep_logits or (not with_grads and keep is None), "kept logits are every row's, for the backward pass"
+    if keep_logits and rule.kept_whole:
+        # one block: the product writes the kept array itself, with no zero-filled [N, V] to
+        # copy row blocks into (the row kernels index it with 64-bit offsets past 2**32 bytes)
+        block_rows = head.x.shape[0]
     wide = compute_dtype(head.x.dtype)
     # a device's share of rows split across devices in one block of every row and class:
     # grad_weight summed over the devices slab by slab as it is formed
@@ -174,12 +181,13 @@ def backward(rule: Rule, head: Head, per_row: tuple, block_rows: int, accumulate
 
 def backward_kept(rule: Rule, head: Head, per_row: tuple, z, block_rows: int, axis: str | None = None):
     """(dx, dW, db) from the forward pass's logits z [N, vocab] (`forward`'s keep_logits),
-    per_row as for `backward`: each row block of z becomes dz in place (the kernels' blocks
-    as the forward pass had them; the loop carries z, which XLA updates where it lies), then
-    grad_input and grad_weight are one product each over all rows, grad_weight written in W's
-    dtype with no wider accumulator (rows split across devices: summed over them slab by
-    slab in fp32, `Head.summed_row_shares`; a dense teacher's shared first classes of such
-    a head: an fp32 partial summed after)."""
+    per_row as for `backward`: z becomes dz in place, in one pass over every row where the
+    rule allows (`Rule.kept_whole`; else in the forward pass's row blocks, a loop carrying
+    z; XLA writes over z where it lies once nothing else reads it), then grad_input
+    and grad_weight are one product each over all rows, grad_weight written in W's dtype with
+    no wider accumulator (rows split across devices: summed over them slab by slab in fp32,
+    `Head.summed_row_shares`; a dense teacher's shared first classes of such a head: an fp32
+    partial summed after)."""
     n = z.shape[0]
 
     def row_step(z, xs):
@@ -188,7 +196,8 @@ def backward_kept(rule: Rule, head: Head, per_row: tuple, z, block_rows: int, ax
         dz_R = rule.grad(z_R, 0, block, rule.coefficients(block, None))
         return jax.lax.dynamic_update_slice_in_dim(z, dz_R.astype(z.dtype), start, 0), ()
 
-    dz, _ = row_loop(row_step, z, tuple(per_row) + (jnp.arange(n, dtype=jnp.int32),), n, min(block_rows, n))
+    rows = n if rule.kept_whole else min(block_rows, n)
+    dz, _ = row_loop(row_step, z, tuple(per_row) + (jnp.arange(n, dtype=jnp.int32),), n, rows)
     x, wide = head.x, compute_dtype(head.x.dtype)
     dx_dtype = wide if axis is not None else x.dtype
     if head.split_rows is not None and head.vocab == head.W.shape[0 if head.vd else 1]:

@@ -421,14 +421,17 @@ def test_jax_speed_keeps_the_logits_for_the_backward_pass_where_they_fit(monkeyp
     """Where "speed"'s logits take at most Tuning.keep_logits_share of the free memory, JAX's
     forward pass returns them as a residual and the backward pass turns them into dz in
     place (`jax_impl.engine.backward_kept`): the float64 reference's outputs and gradients
-    in every case, in row blocks of 5 (SMALL) and in one block. Share 0, "memory" and a
-    call that nothing differentiates keep nothing."""
+    in every case, where "speed" takes row blocks of 5 (SMALL) and one block. A kept call is
+    one block of every row in both passes (the product writes the kept array; dz is written
+    over it in one pass). Share 0, "memory" and a call that nothing differentiates keep
+    nothing."""
     import jax
     import jax.numpy as jnp
 
     import jax_impl
     import jax_impl.engine as engine
     from jax_impl import partitioned
+    from jax_impl.log_probs_rule import _LogProbsRule
 
     # the spies see traces: none cached by earlier calls (on a GPU those keep their logits too)
     jax.clear_caches()
@@ -438,12 +441,18 @@ def test_jax_speed_keeps_the_logits_for_the_backward_pass_where_they_fit(monkeyp
     monkeypatch.setattr(engine, "forward", lambda *a, **k: kept.append(k.get("keep_logits")) or forward(*a, **k))
     monkeypatch.setattr(engine, "backward_kept", lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k))
     monkeypatch.setattr(engine, "free_bytes", lambda platform: 1 << 40)
+    blocks = []  # the logits blocks the rule's steps see
+    for step in ("stats", "grad"):
+        original = getattr(_LogProbsRule, step)
+        monkeypatch.setattr(_LogProbsRule, step, lambda self, z, *a, _f=original: blocks.append(z.shape) or _f(self, z, *a))
     for tuning in (SMALL, dataclasses.replace(SMALL, speed_block_elements=1 << 20)):
         for case in sorted(CASES):
             p, options, g_lp, g_H = _problem(case, dtype)
             spent.clear()
+            blocks.clear()
             got = run_jax(p, options, g_lp, g_H, strategy="speed", tuning=tuning)
             assert spent == [(p.y.size, p.W.shape[0])], (case, spent)
+            assert set(blocks) == {(p.y.size, p.W.shape[0])}, (case, blocks)
             check(got, _reference(p, options, g_lp, g_H), dtype, CASES[case][1].get("logit_scale", 1.0), case)
     p, options, g_lp, g_H = _problem("plain", dtype)
     spent.clear()
