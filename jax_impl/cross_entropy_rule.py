@@ -83,6 +83,8 @@ class _CrossEntropyRule(engine.Rule):
     scale: each row's upstream gradient where the forward pass forms gradients ("mean" is
     "sum" times 1 / the valid rows' summed class weight, a global the row blocks can't see)."""
 
+    kept_whole = True  # per-row statistics and dz written over z: one block holds one [N, V]
+
     def __init__(self, prob: Problem, axis: str | None, cw_sum=None, vocab=None, scale=None):
         self.prob, self.axis, self.cw_sum, self.vocab, self.scale = prob, axis, cw_sum, vocab, scale
         self.opts = dataclasses.replace(prob.cfg.options, reduction="sum")

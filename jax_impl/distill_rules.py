@@ -116,10 +116,6 @@ class _TopKRule(engine.Rule):
     what the forward pass saved (lse_T, lse_1, s_y, s_ids). axis: the shard_map axis of a
     head split over the vocabulary (teacher ids and y global, read as its columns)."""
 
-    # dz's teacher entries are scattered into the kept logits: in one block of every row XLA
-    # held twice the logits' bytes (H200, L and G), in blocks once
-    kept_whole = False
-
     def __init__(self, cfg: DistillConfig, b_V, wide, axis: str | None):
         self.cfg, self.o, self.ops, self.b, self.wide, self.axis = cfg, cfg.options, cfg.ops, b_V, wide, axis
         self.two = self.o.weight_hard > 0 and self.o.temperature != 1.0
@@ -274,7 +270,6 @@ class _DenseRule(engine.Rule):
     which both heads are split alike (each device the same slice of classes of each)."""
 
     sweeps = 2
-    kept_whole = False  # each block forms the teacher's logits too
 
     def __init__(self, cfg: DistillConfig, teacher: Head, wide, axis: str | None):
         self.o, self.ops, self.teacher, self.wide, self.axis = cfg.options, cfg.ops, teacher, wide, axis

@@ -46,9 +46,11 @@ class Rule:
     """A loss's per-row math (the defaults: one sweep)."""
 
     sweeps = 1
-    # "speed"'s kept logits (`keeps_logits`) may be one block of every row: nothing else of
-    # a block's size [R, V] is formed (a dense teacher's logits are: blocks of block_rows)
-    kept_whole = True
+    # whether "speed"'s kept logits (`keeps_logits`) may be one block of every row: a rule
+    # says so where it forms nothing else of a block's size [R, V] (a dense teacher's logits
+    # are such an array; in one block XLA held a second [N, V] around top-K's entries
+    # scattered into dz); else they are kept in blocks of block_rows
+    kept_whole = False
 
     def init(self, xs):
         """The running statistics of a row block before any column."""
@@ -111,7 +113,8 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
     device's split rows are one block, `Head.summed_row_shares`), else None. per_row: [N,
     ...] arrays, x first; axis: a split head's shard_map axis; tail_split: `row_loop`'s.
     keep_logits (blocks of whole rows, no gradients, every row): the outputs end with the
-    logits [N, vocab] (the input's dtype) for `backward_kept`."""
+    logits [N, vocab] (the input's dtype) for `backward_kept`, in one block of every row
+    where the rule allows it (`Rule.kept_whole`; block_rows is then not read)."""
     assert not keep_logits or (not with_grads and keep is None), "kept logits are every row's, for the backward pass"
     if keep_logits and rule.kept_whole:
         # one block: the product writes the kept array itself, with no zero-filled [N, V] to

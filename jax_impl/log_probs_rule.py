@@ -77,6 +77,8 @@ class _LogProbsRule(engine.Rule):
     rows) -> (g_R, g_h_R or None); in the backward pass lse, entropy and the upstream
     gradients (g, then g_h where the entropy has one)."""
 
+    kept_whole = True  # per-row statistics and dz written over z: one block holds one [N, V]
+
     def __init__(self, cfg: DistillConfig, b_V, wide, axis: str | None, upstream=None):
         self.cfg, self.o, self.ops, self.b, self.wide, self.axis = cfg, cfg.options, cfg.ops, b_V, wide, axis
         self.upstream = upstream

@@ -135,12 +135,14 @@ def test_jax_speed_keeps_the_logits_of_a_loss_per_row(monkeypatch, dtype):
     """JAX "speed" with reduction "none" (top-K and dense teachers), where its logits take at
     most Tuning.keep_logits_share of the free memory: the forward pass keeps the student's
     logits and the backward pass turns them into dz in place (`jax_impl.engine.backward_kept`;
-    a dense teacher's logits are recomputed there), against the float64 reference. Reduced
+    a dense teacher's logits are recomputed there), in SMALL's row blocks (`Rule.kept_whole`
+    off: in one block XLA held a second [N, V]), against the float64 reference. Reduced
     losses form their gradients in the forward pass and keep nothing."""
     import jax
 
     import jax_impl.engine as engine
     from jax_impl import partitioned
+    from jax_impl.distill_rules import _DenseRule, _TopKRule
 
     jax.clear_caches()  # the spy sees traces: none cached by earlier calls
     partitioned._with_vmap.cache_clear()
@@ -148,12 +150,18 @@ def test_jax_speed_keeps_the_logits_of_a_loss_per_row(monkeypatch, dtype):
     backward = engine.backward_kept
     monkeypatch.setattr(engine, "backward_kept", lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k))
     monkeypatch.setattr(engine, "free_bytes", lambda platform: 1 << 40)
+    rows = []  # the rows of the logits blocks whose dz the rules form
+    for rule in (_DenseRule, _TopKRule):
+        monkeypatch.setattr(rule, "grad", lambda self, z, *a, _f=rule.grad: rows.append(z.shape[0]) or _f(self, z, *a))
     for kind, name in CASES:
         p, options, g, count, scale = case_inputs(kind, name, dtype)
         spent.clear()
+        rows.clear()
         result = run("jax", "speed", p, options, g, count, tuning=SMALL)
         per_row = options.get("reduction") == "none"
         assert (len(spent) == 1) == per_row, (kind, name, spent)
+        if per_row:
+            assert max(rows) < spent[0][0], (kind, name, rows)  # row blocks
         tol = tolerance(dtype, scale)
         for key, err in errors(result, reference(p, options, g, count)).items():
             assert err <= tol, f"{kind} {name} {key}: {err:.3g} > {tol:.3g}"

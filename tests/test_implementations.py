@@ -871,15 +871,17 @@ def test_jax_speed_keeps_the_logits_where_the_backward_pass_would_recompute(monk
     """Where "speed"'s logits take at most Tuning.keep_logits_share of the free memory and
     the backward pass would recompute them (lse returned, or a loss per row), JAX's forward
     pass keeps them and the backward pass turns them into dz in place
-    (`jax_impl.engine.backward_kept`): the float64 reference in every case, in row blocks of
-    4 (SMALL) and in one. A reduced loss without lse forms its gradients in the forward pass
-    and keeps nothing, nor does a call that nothing differentiates."""
+    (`jax_impl.engine.backward_kept`), in one block of every row where "speed" takes row
+    blocks of 4 (SMALL) and one block: the float64 reference in every case. A reduced loss
+    without lse forms its gradients in the forward pass and keeps nothing, nor does a call
+    that nothing differentiates."""
     import jax
     import jax.numpy as jnp
 
     import jax_impl
     import jax_impl.engine as engine
     from jax_impl import partitioned
+    from jax_impl.cross_entropy_rule import _CrossEntropyRule
 
     jax.clear_caches()  # the spies see traces: none cached by earlier calls
     partitioned._with_vmap.cache_clear()
@@ -889,15 +891,22 @@ def test_jax_speed_keeps_the_logits_where_the_backward_pass_would_recompute(monk
                         or forward(*a, **k))
     monkeypatch.setattr(engine, "backward_kept", lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k))
     monkeypatch.setattr(engine, "free_bytes", lambda platform: 1 << 40)
+    blocks = []  # the logits blocks the rule's steps see
+    for step in ("stats", "grad"):
+        original = getattr(_CrossEntropyRule, step)
+        monkeypatch.setattr(_CrossEntropyRule, step, lambda self, z, *a, _f=original: blocks.append(z.shape) or _f(self, z, *a))
     for tuning in (SMALL, dataclasses.replace(SMALL, speed_block_elements=1 << 20)):
         for case, (options, problem_kwargs, with_lse) in CASES.items():
             seed = seed_of("kept-logits", case, dtype)
             p = make_problem(seed, dtype=dtype, **problem_kwargs)
             g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
             spent.clear()
+            blocks.clear()
             result = JaxAdapter("speed", tuning).run(p, options, g_out, g_lse)
             recomputes = with_lse or options.get("reduction") == "none"
             assert spent == ([(p.y.size, p.vocab)] if recomputes else []), (case, spent)
+            if recomputes:
+                assert set(blocks) == {(p.y.size, p.vocab)}, (case, blocks)
             check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
     p = make_problem(3, dtype=dtype)
     kept.clear()

@@ -421,7 +421,7 @@ def test_jax_speed_keeps_the_logits_for_the_backward_pass_where_they_fit(monkeyp
     """Where "speed"'s logits take at most Tuning.keep_logits_share of the free memory, JAX's
     forward pass returns them as a residual and the backward pass turns them into dz in
     place (`jax_impl.engine.backward_kept`): the float64 reference's outputs and gradients
-    in every case, where "speed" takes row blocks of 5 (SMALL) and one block. A kept call is
+    in every case, where "speed" takes row blocks of 4 (SMALL) and one block. A kept call is
     one block of every row in both passes (the product writes the kept array; dz is written
     over it in one pass). Share 0, "memory" and a call that nothing differentiates keep
     nothing."""
