@@ -82,8 +82,8 @@ def one_speed_block(t: Tuning, n_rows: int, hidden: int, vocab: int, itemsize: i
     input hold, beyond the gradients, one block and an fp32 accumulator (V D 4 bytes; an
     accumulator in the input dtype, narrow_accumulator or fp32 inputs, is grad_weight
     itself); one block holds the N x V logits (x buffers). It is taken where those take at
-    most t.one_speed_block_share of the former (Q, 4096 x 4096 x 128256: 1 GiB against
-    0.5 + 2 GiB): fewer blocks are faster, as each reads and writes the accumulator.
+    most t.one_speed_block_share of the former (8192 x 4096 x 128256: 2 GiB against
+    1 + 2 GiB): fewer blocks are faster, as each reads and writes the accumulator.
     A JAX device's share of rows split across devices sums its grad_weight over the devices
     slab by slab as one block forms it (`jax_impl.head.Head.summed_row_shares`): a slab of
     fp32 partial at a time, whose sums overlap the next slabs' products."""

@@ -97,15 +97,17 @@ def test_a_split_head_at_l_takes_one_devices_rows_and_tiles():
 
 
 def test_speed_takes_at_least_2048_rows_or_d():
-    """Each "speed" row block reads and writes the fp32 grad_weight accumulator: at G its
-    2^28 logits would be 1024 rows, and it takes 2048; at most D rows (a small D with a large
-    vocabulary keeps the logits block within half of the accumulator)."""
-    n, d, v = SHAPES["G"]
+    """Each "speed" row block reads and writes the fp32 grad_weight accumulator: with a
+    vocabulary of 512000 its 2^29 logits would be 1024 rows, and it takes 2048; at most D rows
+    (a small D with a large vocabulary keeps the logits block within half of the
+    accumulator). G's and L's blocks are their 2^29 logits: 2048 and 4096 rows."""
+    n, d, v = 8192, 2304, 512000
     for framework in ("torch", "jax"):
         assert planning.plan(DEFAULT, framework, "cross_entropy", "speed", n, d, v, 2, False).rows == 2048
         assert planning.plan(DEFAULT, framework, "log_probs", "speed", n, d, v, 2, False).rows == 2048
     assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", 8192, 512, 1_000_000, 2, False).rows == 512
-    assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", *SHAPES["L"], 2, False).rows == 2048
+    assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", *SHAPES["G"], 2, False).rows == 2048
+    assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", *SHAPES["L"], 2, False).rows == 4096
 
 
 def test_memory_takes_whole_rows_on_a_small_head():

@@ -1,7 +1,7 @@
 """`speed`'s row blocks at L and G, larger than the default (NVIDIA H100, 2026-11-28, commit
 after c3340cf; bench/NOTES.md has the entry): fwd+bwd time and memory over the floor of
 cross-entropy (gradients formed in the forward pass) and of log-probabilities + entropy (the
-backward pass recomputes), with `Tuning.speed_block_elements` at 2^28 (the default) to 2^31
+backward pass recomputes), with `Tuning.speed_block_elements` at 2^28 (the default then) to 2^31
 (every row in one block: no fp32 grad_weight accumulator). Each row block reads and writes
 that accumulator (V D 4 bytes) once.
 
