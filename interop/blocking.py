@@ -268,7 +268,7 @@ def weight_grad_slabs(t: Tuning, vocab: int, class_bytes: int, wider_than_weight
     (one row of W) takes class_bytes: one slab when it has W's dtype; when it is wider (fp32
     for a 16-bit W), up to t.weight_grad_slabs slabs of at least t.weight_grad_slab_bytes, so
     its conversion can free each slab in turn (peak 2 W + W / slabs instead of 3 W; with two,
-    the W / 2 is about the logits block the loop held before). Edges are multiples of
+    the extra W / 2 stays within the bytes of the logits block the loop held). Edges are multiples of
     t.slab_align classes."""
     slabs = min(t.weight_grad_slabs, max(1, vocab * class_bytes // t.weight_grad_slab_bytes)) if wider_than_weight else 1
     step = -(-vocab // slabs)

@@ -16,8 +16,10 @@ grad_weight accumulator that one block does without (`one_speed_block`; an accum
 input dtype is grad_weight itself and earns no bytes; a call with PyTorch's gradient filter,
 which adds grad_weight in parts into an accumulator, keeps several blocks). PyTorch plans on the
 count of rows not ignored; JAX's count is traced, so its one block computes the ignored rows
-too (Q with half the targets ignored, H100: 18.8 ms against 15.2 in blocks of the kept rows;
-with a tenth, 19.4 against 26.2), and `Tuning.one_speed_block_share=0` keeps the blocks.
+too (Q with half the targets ignored, H100, in blocks of 2^28 logits: 18.8 ms against 15.2 in
+blocks of the kept rows; with a tenth, 19.4 against 26.2), and `Tuning.one_speed_block_share=0`
+keeps the blocks (where N fits one block of `Tuning.speed_block_elements`, as Q's 4096 rows now
+do, a smaller block size too).
 
 The frameworks differ where their products do: PyTorch's "speed" grows its blocks when
 grad_weight accumulates in 16 bits (cuBLAS adds into it in place); XLA owns grad_input's

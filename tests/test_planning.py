@@ -105,7 +105,7 @@ def test_speed_takes_at_least_2048_rows_or_d():
     for framework in ("torch", "jax"):
         assert planning.plan(DEFAULT, framework, "cross_entropy", "speed", n, d, v, 2, False).rows == 2048
         assert planning.plan(DEFAULT, framework, "log_probs", "speed", n, d, v, 2, False).rows == 2048
-    assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", 8192, 512, 1_000_000, 2, False).rows == 512
+    assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", 8192, 1024, 1_000_000, 2, False).rows == 1024
     assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", *SHAPES["G"], 2, False).rows == 2048
     assert planning.plan(DEFAULT, "torch", "cross_entropy", "speed", *SHAPES["L"], 2, False).rows == 4096
 

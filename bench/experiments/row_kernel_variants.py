@@ -6,8 +6,10 @@ four variants of its two loops, each written from the module's source at run tim
 statistics pass read last), "evict" (the statistics pass keeps the row in L2, the dz pass
 evicts it first), "lean" (block-wise max and sum per step in place of per-lane running
 values) and "prefetch" (each step loads the next step's logits before its arithmetic).
-Reports microseconds per launch, the bytes moved (a read for the statistics, a read and a
-write for dz) per second, and each output's largest distance from the current kernel's.
+Reports microseconds per launch, the block's bytes read (statistics) or read and written
+(statistics + dz) per second, the dz pass's second read of the row not counted, and each
+output's largest distance from the current kernel's. L's block is 2048 rows (the default of
+2^28-logit blocks then; 4096 since).
 (H200, 2026-11-29, on the tree of commit d5b050c; bench/NOTES.md has the entry.) Writes
 $OUT/row_kernel_variants.json.
 
