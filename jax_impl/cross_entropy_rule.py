@@ -29,7 +29,7 @@ from jax_impl import blocked, engine, partitioned
 from jax_impl.blocked import BlockedConfig, Problem
 from jax_impl.fused_stats import row_stats
 from jax_impl.partitioned import Axes, Layout
-from jax_impl.rows import TargetRows, compute_dtype, kept_first, reduce_loss, row_coefficients, row_loss
+from jax_impl.rows import TargetRows, compute_dtype, kept_first, lse_coefficients, reduce_loss, row_coefficients, row_loss
 from jax_impl.vocab_parallel import global_lse, local_columns
 
 
@@ -118,6 +118,19 @@ class _CrossEntropyRule(engine.Rule):
     def grad(self, z, v0, xs, coef):
         (lse, p, t, s), prob = coef, self.prob
         return prob.ops.grad(z, v0, prob.b, self._y(xs), self.opts.softcap, 1.0, lse, p, t, None, prob.cw, s)
+
+    def stats_grad(self, z, xs):
+        """The kernels' fused whole-row step (`kernels.rows_stats_grad`): P's part that
+        depends on lse formed in the kernel, NaN (through A) where the target is out of range."""
+        p, o = self.prob, self.opts
+        if p.ops.rows_stats_grad is None:
+            return None
+        valid, bad, in_range, cw_y = xs[2:6]
+        rows = TargetRows(self._y(xs), valid, in_range, bad, cw_y)
+        r, a, t, s = lse_coefficients(self.scale, rows, self.cw_sum, o, self.vocab, p.wide)
+        lse, s_y, ws, dz = p.ops.rows_stats_grad(z, p.b, rows.safe_y, (r, jnp.where(bad, jnp.nan, a), t, s), o.softcap,
+                                                 p.cw, o.label_smoothing > 0, o.z_loss)
+        return (lse, s_y, ws), dz
 
 
 def forward(x_ND, W, b_V, cw_V, y_N, cfg: BlockedConfig, with_grads: bool, axis: str | None = None, scale=None):

@@ -11,7 +11,8 @@ is x's rows; which others is the rule's), and on logits blocks z [R, C] (no bias
   once for every row after the loop), `outputs` gives the row block's per-row
   outputs. With `with_grads` (blocks of whole rows), `coefficients` and `grad` turn the same
   logits into dz, whose products give the gradients for an upstream gradient of 1: 6 N D V
-  flops.
+  flops; a rule's `stats_grad` may do both in one fused kernel where no split head
+  combines the statistics between them.
 - backward: `coefficients` from the saved per-row values and upstream gradients in xs, then
   `grad` on each recomputed block: 8 N D V flops in all. Where "speed"'s logits fit a share
   of the free memory (`keeps_logits`), the forward pass returns them ([N, V], `keep_logits`)
@@ -76,6 +77,12 @@ class Rule:
         """dz of logits block z."""
         raise NotImplementedError
 
+    def stats_grad(self, z, xs):
+        """(state after `done`, dz) of whole-row logits z [R, V] in one fused step, or None
+        where the rule has none (the engine then runs stats, done, coefficients and grad).
+        Asked only with gradients formed in the forward pass, one sweep and no split head."""
+        return None
+
 
 def _buffers(head: Head, accumulate_dtype, bias: bool, block_rows: int):
     """(dW, db) accumulators. In one row block of logits in W's dtype each element of dW is
@@ -130,10 +137,14 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
     structure = []  # of the statistics, which the loop then returns as a flat tuple
 
     def row_step(carry, xs):
-        x_R, state = xs[0], rule.init(xs)
+        x_R, state, dz = xs[0], rule.init(xs), None
         for sweep in range(rule.sweeps):
             if with_grads or keep_logits:  # whole rows: one block for every sweep and dz (one product: XLA merges the same dot)
                 z = head.col_logits(x_R, 0, head.vocab)
+                fused = rule.stats_grad(z, xs) if with_grads and axis is None and rule.sweeps == 1 else None
+                if fused is not None:
+                    state, dz = fused
+                    break
                 state = rule.stats(z, 0, xs, state, sweep)
             else:
                 body = lambda v0, cols, st: rule.stats(head.col_logits(x_R, v0, cols), v0, xs, st, sweep)
@@ -146,7 +157,8 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
         outs = rule.outputs(xs, state)
         if not with_grads:
             return carry, outs + ((z,) if keep_logits else ())
-        dz = rule.grad(z, 0, xs, rule.coefficients(xs, state))
+        if dz is None:
+            dz = rule.grad(z, 0, xs, rule.coefficients(xs, state))
         dx_dtype = wide if axis is not None else x_R.dtype
         shares = head.summed_row_shares(dz, x_R, dx_dtype) if slabs else head.add_row_shares(dz, x_R, *carry, dx_dtype)
         return shares[:2], outs + (shares[2],)

@@ -7,8 +7,10 @@ column offset v0): the row-wise work between the matrix products, as in
 - `block_grad`: rewrites the block as dz (interop/SPEC.md) from per-row lse and the
   coefficients (P, T, S), optionally with a second softmax term (distillation at a
   temperature), in place (the output aliases z).
+- `rows_stats_grad`: both over whole rows in one kernel, the coefficients from the row's
+  lse (cross-entropy's gradients formed in the forward pass).
 
-One program per row, looping over its columns. Both use the Triton lowering of
+One program per row, looping over its columns. All use the Triton lowering of
 `pallas_call` (masked loads over a vocabulary that is no power of two), which exists in
 JAX 0.10 and 0.11; JAX 0.11 deprecates it in favour of Mosaic GPU, and the warning it
 emits at lowering is silenced here: it concerns this library, not its users.
@@ -165,13 +167,10 @@ def _load_scalar(ref, row):
     return plt.load(ref.at[pl.ds(row, 1)])[0]
 
 
-def _stats_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, need_ws, block):
-    b_ref = refs[0] if has_bias else None
-    cw_ref = refs[int(has_bias)] if has_cw else None
-    y_ref, m_in, l_in, sy_in, ws_in, m_out, l_out, sy_out, ws_out = refs[int(has_bias) + int(has_cw):]
-    row = pl.program_id(0)
-    v0 = _load_scalar(v0_ref, 0)
-    y = _load_scalar(y_ref, row) - v0
+def _stats_columns(z_ref, b_ref, cw_ref, row, v0, y, C, cap, scale, need_ws, block):
+    """A row's columns 0..C of the block in one loop: per lane, the running max m and sum l
+    of exp(scale s - m), s at the target y (a column index), and the class-weighted sum ws
+    of s (0 unless need_ws); fp32 [block] each."""
     ninf = jnp.float32(-jnp.inf)
 
     def body(i, carry):
@@ -192,36 +191,29 @@ def _stats_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, need_ws
         return m_new, l_vec, sy_vec, ws_vec
 
     zeros = jnp.zeros((block,), jnp.float32)
-    init = (jnp.full((block,), ninf), zeros, zeros, zeros)
-    m_vec, l_vec, sy_vec, ws_vec = column_loop(C, block, body, init)
-    m_old = _load_scalar(m_in, row)
+    return column_loop(C, block, body, (jnp.full((block,), ninf), zeros, zeros, zeros))
+
+
+def _merged(m_old, l_old, m_vec, l_vec):
+    """(m, l): the lanes' running (m_vec, l_vec) merged into a row's (m_old, l_old)."""
+    ninf = jnp.float32(-jnp.inf)
     m = max_keep_nan(m_old, reduce_max_keep_nan(m_vec))
     m_safe = jnp.where(m == ninf, 0.0, m)
     l_blk = jnp.sum(jnp.where(m_vec == ninf, 0.0, l_vec * jnp.exp(m_vec - m_safe)))
-    _store_scalar(l_out, row, _load_scalar(l_in, row) * jnp.exp(m_old - m_safe) + l_blk)
-    _store_scalar(m_out, row, m)
-    _store_scalar(sy_out, row, _load_scalar(sy_in, row) + jnp.sum(sy_vec))
-    _store_scalar(ws_out, row, _load_scalar(ws_in, row) + jnp.sum(ws_vec))
+    return m, l_old * jnp.exp(m_old - m_safe) + l_blk
 
 
-def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, block):
-    b_ref = refs[0] if has_bias else None
-    cw_ref = refs[int(has_bias)] if has_cw else None
-    y_ref, lse_ref, p_ref, t_ref, s_ref, p2_ref, lse2_ref, dz_ref = refs[int(has_bias) + int(has_cw):]
-    row = pl.program_id(0)
-    v0 = _load_scalar(v0_ref, 0)
-    y = _load_scalar(y_ref, row) - v0
-    lse, p_coef = _load_scalar(lse_ref, row), _load_scalar(p_ref, row)
-    t_coef, s_coef = _load_scalar(t_ref, row), _load_scalar(s_ref, row)
-    if has_p2:
-        p2_coef, lse2 = _load_scalar(p2_ref, row), _load_scalar(lse2_ref, row)
+def _grad_loop(z_ref, b_ref, cw_ref, dz_ref, row, v0, y, C, cap, scale, block, lse, p_coef, t_coef, s_coef,
+               second=None):
+    """Write a row's dz over columns 0..C: (P exp(scale s - lse) [+ P2 exp(s - lse2)] - T [j == y]
+    - S cw_j) * softcap'(z), second = (P2, lse2) or None."""
 
     def body(i, carry):
         start = i * block
         offs, mask, z, s = _grad_columns(z_ref, b_ref, row, v0, start, block, C, cap)
         dz = p_coef * jnp.exp(s * scale - lse) - jnp.where(offs == y, t_coef, 0.0)
-        if has_p2:
-            dz = dz + p2_coef * jnp.exp(s - lse2)
+        if second is not None:
+            dz = dz + second[0] * jnp.exp(s - second[1])
         if cw_ref is not None:
             dz = dz - s_coef * plt.load(cw_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
         else:
@@ -230,6 +222,53 @@ def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, 
         return carry
 
     column_loop(C, block, body, 0)
+
+
+def _split_refs(refs, has_bias, has_cw):
+    """(b_ref or None, cw_ref or None, the other refs)."""
+    b_ref = refs[0] if has_bias else None
+    cw_ref = refs[int(has_bias)] if has_cw else None
+    return b_ref, cw_ref, refs[int(has_bias) + int(has_cw):]
+
+
+def _stats_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, need_ws, block):
+    b_ref, cw_ref, (y_ref, m_in, l_in, sy_in, ws_in, m_out, l_out, sy_out, ws_out) = _split_refs(refs, has_bias, has_cw)
+    row = pl.program_id(0)
+    v0 = _load_scalar(v0_ref, 0)
+    m_vec, l_vec, sy_vec, ws_vec = _stats_columns(z_ref, b_ref, cw_ref, row, v0, _load_scalar(y_ref, row) - v0, C, cap,
+                                                  scale, need_ws, block)
+    m, l = _merged(_load_scalar(m_in, row), _load_scalar(l_in, row), m_vec, l_vec)
+    _store_scalar(l_out, row, l)
+    _store_scalar(m_out, row, m)
+    _store_scalar(sy_out, row, _load_scalar(sy_in, row) + jnp.sum(sy_vec))
+    _store_scalar(ws_out, row, _load_scalar(ws_in, row) + jnp.sum(ws_vec))
+
+
+def _grad_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, has_p2, block):
+    b_ref, cw_ref, (y_ref, lse_ref, p_ref, t_ref, s_ref, p2_ref, lse2_ref, dz_ref) = _split_refs(refs, has_bias, has_cw)
+    row = pl.program_id(0)
+    v0 = _load_scalar(v0_ref, 0)
+    second = (_load_scalar(p2_ref, row), _load_scalar(lse2_ref, row)) if has_p2 else None
+    _grad_loop(z_ref, b_ref, cw_ref, dz_ref, row, v0, _load_scalar(y_ref, row) - v0, C, cap, scale, block,
+               _load_scalar(lse_ref, row), _load_scalar(p_ref, row), _load_scalar(t_ref, row), _load_scalar(s_ref, row),
+               second)
+
+
+def _rows_kernel(z_ref, *refs, C, cap, has_bias, has_cw, need_ws, z_loss2, block):
+    """One whole row: its statistics, then dz over the same row from its lse (the second
+    read of the row often still in L2), P = R (A + 2 z_loss lse)."""
+    b_ref, cw_ref, (y_ref, r_ref, a_ref, t_ref, s_ref, lse_out, sy_out, ws_out, dz_ref) = _split_refs(refs, has_bias, has_cw)
+    row, v0 = pl.program_id(0), jnp.int32(0)
+    y = _load_scalar(y_ref, row)
+    m_vec, l_vec, sy_vec, ws_vec = _stats_columns(z_ref, b_ref, cw_ref, row, v0, y, C, cap, 1.0, need_ws, block)
+    m, l = _merged(jnp.float32(-jnp.inf), jnp.float32(0.0), m_vec, l_vec)
+    lse = m + jnp.log(l)
+    _store_scalar(lse_out, row, lse)
+    _store_scalar(sy_out, row, jnp.sum(sy_vec))
+    _store_scalar(ws_out, row, jnp.sum(ws_vec))
+    p_coef = _load_scalar(r_ref, row) * (_load_scalar(a_ref, row) + z_loss2 * lse)
+    _grad_loop(z_ref, b_ref, cw_ref, dz_ref, row, v0, y, C, cap, 1.0, block, lse, p_coef, _load_scalar(t_ref, row),
+               _load_scalar(s_ref, row))
 
 
 def v0_array(v0):
@@ -262,6 +301,26 @@ def block_stats(z_RC, v0, b_V, cw_V, y_R, stats, softcap, need_ws: bool, interpr
         interpret=interpret,
         compiler_params=plt.CompilerParams(**JAX_ROW_KERNEL_PARAMS),
     )(*args)
+
+
+def rows_stats_grad(z_RC, b_V, cw_V, y_R, r_R, a_R, t_R, s_R, softcap, need_ws: bool, z_loss: float, interpret: bool):
+    """(lse, s_y, ws, dz) of whole-row logits z [R, V] in one kernel: the statistics of
+    `block_stats` from empty ones (lse = m + log l; ws only with need_ws), then dz of
+    `block_grad` (scale 1) with P = R (A + 2 z_loss lse), written over z. lse, s_y, ws fp32
+    [R]; y int32 [R] (column indices, outside [0, V): none); r, a, t, s fp32 [R]. One program
+    reads its row twice, the second time mostly from L2, where two kernels read the block
+    from memory twice."""
+    R, C = z_RC.shape
+    kernel = functools.partial(_rows_kernel, C=C, cap=softcap, has_bias=b_V is not None, has_cw=cw_V is not None,
+                               need_ws=need_ws, z_loss2=float(2 * z_loss), block=_block(C))
+    return pallas(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((R,), jnp.float32)] * 3 + [jax.ShapeDtypeStruct((R, C), z_RC.dtype)],
+        grid=(R,),
+        input_output_aliases={0: 3},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(**JAX_ROW_KERNEL_PARAMS),
+    )(z_RC, *_extras(b_V, cw_V), y_R, r_R, a_R, t_R, s_R)
 
 
 def block_grad(z_RC, v0, b_V, cw_V, y_R, lse_R, p_R, t_R, s_R, softcap, interpret: bool, scale: float = 1.0,

@@ -38,6 +38,11 @@ class KernelOps:
         return kernels.block_grad(z, kernels.v0_array(v0), b_V, cw_V, y_R, lse_R, p_R, ty_R, s_R, softcap,
                                   self.interpret, scale, second)
 
+    def rows_stats_grad(self, z, b_V, y_R, coefs, softcap, cw_V, need_ws: bool, z_loss: float):
+        """(lse, s_y, ws, dz) of whole-row logits z [R, V] in one kernel, coefs = (R, A, T, S)
+        of `rows.lse_coefficients` (`kernels.rows_stats_grad`)."""
+        return tuple(kernels.rows_stats_grad(z, b_V, cw_V, y_R, *coefs, softcap, need_ws, z_loss, self.interpret))
+
     def pair_sums(self, s, t, lse_s, lse_t, sums, o):
         return tuple(pair_kernels.pair_sums(s, t, lse_s, lse_t, sums, o.divergence, o.temperature, o.beta, self.interpret))
 
@@ -77,6 +82,7 @@ class XlaOps:
     """The same steps in jax.numpy, on logits in the compute dtype (fp32 or fp64)."""
 
     compute_logits = True
+    rows_stats_grad = None  # no fused whole-row step: the rules take stats, then grad
 
     def stats(self, z, v0, b_V, y_R, running, softcap, scale: float = 1.0, cw_V=None, need_ws: bool = False):
         m, l, sy, ws = running

@@ -914,3 +914,40 @@ def test_jax_speed_keeps_the_logits_where_the_backward_pass_would_recompute(monk
     jax.jit(lambda x, W: jax_impl.linear_cross_entropy(x, W, jnp.asarray(p.y.astype(np.int32)), reduction="none",
                                                        strategy="speed", tuning=SMALL))(jnp.asarray(p.x), jnp.asarray(p.W))
     assert kept and not any(kept), kept
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_whole_rows_take_the_fused_kernel_where_the_forward_pass_forms_the_gradients(monkeypatch, dtype):
+    """Where JAX's forward pass forms the gradients in blocks of whole rows ("speed" and
+    whole-row "memory" with a reduced loss and no lse), each block's statistics and dz come
+    from one kernel (`kernels.rows_stats_grad`), not from the statistics and gradient
+    steps, in row blocks of 4 (SMALL) and in one block: the float64 reference in every case
+    (bias, class weights, label smoothing, z-loss, softcap, ignored and out-of-range rows)."""
+    import jax
+
+    from jax_impl import partitioned
+    from jax_impl.cross_entropy_rule import _CrossEntropyRule
+    from jax_impl.steps import KernelOps
+
+    jax.clear_caches()  # the spies see traces: none cached by earlier calls
+    partitioned._with_vmap.cache_clear()
+    fused, steps = [], []
+    original = KernelOps.rows_stats_grad
+    monkeypatch.setattr(KernelOps, "rows_stats_grad", lambda self, z, *a: fused.append(z.shape) or original(self, z, *a))
+    for step in ("stats", "grad"):
+        f = getattr(_CrossEntropyRule, step)
+        monkeypatch.setattr(_CrossEntropyRule, step, lambda self, z, *a, _f=f: steps.append(z.shape) or _f(self, z, *a))
+    runs = [("speed", SMALL), ("speed", dataclasses.replace(SMALL, speed_block_elements=1 << 20)), ("memory", WHOLE_ROW_MEMORY)]
+    for strategy, tuning in runs:
+        for case, (options, problem_kwargs, with_lse) in CASES.items():
+            if with_lse or options.get("reduction") == "none":
+                continue
+            seed = seed_of("fused-rows", strategy, case, dtype)
+            p = make_problem(seed, dtype=dtype, **problem_kwargs)
+            g_out, g_lse = upstream_grads(seed, p, options.get("reduction", "mean"), with_lse)
+            fused.clear()
+            steps.clear()
+            result = JaxAdapter(strategy, tuning).run(p, options, g_out, g_lse)
+            assert fused and not steps, (strategy, case, fused, steps)
+            assert all(shape[1] == p.vocab for shape in fused), (strategy, case, fused)
+            check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
