@@ -169,29 +169,37 @@ def _load_scalar(ref, row):
 
 def _stats_columns(z_ref, b_ref, cw_ref, row, v0, y, C, cap, scale, need_ws, block):
     """A row's columns 0..C of the block in one loop: per lane, the running max m and sum l
-    of exp(scale s - m), s at the target y (a column index), and the class-weighted sum ws
-    of s (0 unless need_ws); fp32 [block] each."""
+    of exp(scale s - m) and the class-weighted sum ws of s (0 unless need_ws), fp32 [block]
+    each; and s at the target y (a column index; 0 outside [0, C)), read once after the loop.
+    One exponential per logit: of exp(m - s) (a new max: l = l e + 1) and exp(s - m) (l = l +
+    e) one is needed; a -inf logit (or a masked lane) adds nothing, also to a lane that saw
+    only -inf; a NaN makes its lane's l NaN. The kernels are bound by this arithmetic, not by
+    memory: two exponentials and a target compare per logit read a block at half the rate."""
     ninf = jnp.float32(-jnp.inf)
 
     def body(i, carry):
-        m_vec, l_vec, sy_vec, ws_vec = carry
+        m_vec, l_vec, ws_vec = carry
         start = i * block
         offs = start + jnp.arange(block)
         mask = offs < C
         s = _capped(z_ref, b_ref, row, v0, start, block, mask, cap)
         s_in = jnp.where(mask, s * scale, ninf)
-        m_new = max_keep_nan(m_vec, s_in)
-        m_safe = jnp.where(m_new == ninf, 0.0, m_new)
-        l_vec = l_vec * jnp.exp(m_vec - m_safe) + jnp.exp(s_in - m_safe)
-        sy_vec = sy_vec + jnp.where(offs == y, s, 0.0)
+        d = s_in - m_vec
+        e = jnp.where(s_in == ninf, 0.0, jnp.exp(-jnp.abs(d)))
+        l_vec = jnp.where(d > 0, l_vec * e + 1.0, l_vec + e)
+        m_vec = max_keep_nan(m_vec, s_in)
         if need_ws:
             if cw_ref is not None:
                 s = s * plt.load(cw_ref.at[pl.ds(v0 + start, block)], mask=mask, other=0.0).astype(jnp.float32)
             ws_vec = ws_vec + jnp.where(mask, s, 0.0)
-        return m_new, l_vec, sy_vec, ws_vec
+        return m_vec, l_vec, ws_vec
 
     zeros = jnp.zeros((block,), jnp.float32)
-    return column_loop(C, block, body, (jnp.full((block,), ninf), zeros, zeros, zeros))
+    m_vec, l_vec, ws_vec = column_loop(C, block, body, (jnp.full((block,), ninf), zeros, zeros))
+    inside = (y >= 0) & (y < C)
+    y_col = jnp.where(inside, y, 0)
+    s_y = jnp.where(inside, _capped(z_ref, b_ref, row, v0, y_col, 1, jnp.full((1,), inside), cap)[0], 0.0)
+    return m_vec, l_vec, s_y, ws_vec
 
 
 def _merged(m_old, l_old, m_vec, l_vec):
@@ -235,12 +243,12 @@ def _stats_kernel(v0_ref, z_ref, *refs, C, cap, scale, has_bias, has_cw, need_ws
     b_ref, cw_ref, (y_ref, m_in, l_in, sy_in, ws_in, m_out, l_out, sy_out, ws_out) = _split_refs(refs, has_bias, has_cw)
     row = pl.program_id(0)
     v0 = _load_scalar(v0_ref, 0)
-    m_vec, l_vec, sy_vec, ws_vec = _stats_columns(z_ref, b_ref, cw_ref, row, v0, _load_scalar(y_ref, row) - v0, C, cap,
-                                                  scale, need_ws, block)
+    m_vec, l_vec, s_y, ws_vec = _stats_columns(z_ref, b_ref, cw_ref, row, v0, _load_scalar(y_ref, row) - v0, C, cap,
+                                               scale, need_ws, block)
     m, l = _merged(_load_scalar(m_in, row), _load_scalar(l_in, row), m_vec, l_vec)
     _store_scalar(l_out, row, l)
     _store_scalar(m_out, row, m)
-    _store_scalar(sy_out, row, _load_scalar(sy_in, row) + jnp.sum(sy_vec))
+    _store_scalar(sy_out, row, _load_scalar(sy_in, row) + s_y)
     _store_scalar(ws_out, row, _load_scalar(ws_in, row) + jnp.sum(ws_vec))
 
 
@@ -260,11 +268,11 @@ def _rows_kernel(z_ref, *refs, C, cap, has_bias, has_cw, need_ws, z_loss2, block
     b_ref, cw_ref, (y_ref, r_ref, a_ref, t_ref, s_ref, lse_out, sy_out, ws_out, dz_ref) = _split_refs(refs, has_bias, has_cw)
     row, v0 = pl.program_id(0), jnp.int32(0)
     y = _load_scalar(y_ref, row)
-    m_vec, l_vec, sy_vec, ws_vec = _stats_columns(z_ref, b_ref, cw_ref, row, v0, y, C, cap, 1.0, need_ws, block)
+    m_vec, l_vec, s_y, ws_vec = _stats_columns(z_ref, b_ref, cw_ref, row, v0, y, C, cap, 1.0, need_ws, block)
     m, l = _merged(jnp.float32(-jnp.inf), jnp.float32(0.0), m_vec, l_vec)
     lse = m + jnp.log(l)
     _store_scalar(lse_out, row, lse)
-    _store_scalar(sy_out, row, jnp.sum(sy_vec))
+    _store_scalar(sy_out, row, s_y)
     _store_scalar(ws_out, row, jnp.sum(ws_vec))
     p_coef = _load_scalar(r_ref, row) * (_load_scalar(a_ref, row) + z_loss2 * lse)
     _grad_loop(z_ref, b_ref, cw_ref, dz_ref, row, v0, y, C, cap, 1.0, block, lse, p_coef, _load_scalar(t_ref, row),
