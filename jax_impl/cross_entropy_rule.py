@@ -108,28 +108,31 @@ class _CrossEntropyRule(engine.Rule):
     def outputs(self, xs, state):
         return tuple(state)
 
+    def _rows(self, xs):
+        """The row block's TargetRows (forward pass: xs holds valid, bad, in_range, cw_y)."""
+        valid, bad, in_range, cw_y = xs[2:6]
+        return TargetRows(self._y(xs), valid, in_range, bad, cw_y)
+
     def coefficients(self, xs, state):
         if state is None:
             return tuple(xs[2:6])
-        valid, bad, in_range, cw_y = xs[2:6]
-        rows = TargetRows(self._y(xs), valid, in_range, bad, cw_y)
-        return (state[0],) + tuple(row_coefficients(self.scale, None, state[0], rows, self.cw_sum, self.opts, self.vocab))
+        coefs = row_coefficients(self.scale, None, state[0], self._rows(xs), self.cw_sum, self.opts, self.vocab)
+        return (state[0],) + tuple(coefs)
 
     def grad(self, z, v0, xs, coef):
         (lse, p, t, s), prob = coef, self.prob
         return prob.ops.grad(z, v0, prob.b, self._y(xs), self.opts.softcap, 1.0, lse, p, t, None, prob.cw, s)
 
     def stats_grad(self, z, xs):
-        """The kernels' fused whole-row step (`kernels.rows_stats_grad`): P's part that
-        depends on lse formed in the kernel, NaN (through A) where the target is out of range."""
+        """The kernels' fused whole-row step (`kernels.rows_stats_grad`), which forms P's part
+        that depends on lse from the row's lse."""
         p, o = self.prob, self.opts
         if p.ops.rows_stats_grad is None:
             return None
-        valid, bad, in_range, cw_y = xs[2:6]
-        rows = TargetRows(self._y(xs), valid, in_range, bad, cw_y)
-        r, a, t, s = lse_coefficients(self.scale, rows, self.cw_sum, o, self.vocab, p.wide)
-        lse, s_y, ws, dz = p.ops.rows_stats_grad(z, p.b, rows.safe_y, (r, jnp.where(bad, jnp.nan, a), t, s), o.softcap,
-                                                 p.cw, o.label_smoothing > 0, o.z_loss)
+        rows = self._rows(xs)
+        coefs = lse_coefficients(self.scale, rows, self.cw_sum, o, self.vocab, p.wide)
+        lse, s_y, ws, dz = p.ops.rows_stats_grad(z, p.b, rows.safe_y, coefs, o.softcap, p.cw, o.label_smoothing > 0,
+                                                 o.z_loss)
         return (lse, s_y, ws), dz
 
 

@@ -137,14 +137,16 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
     structure = []  # of the statistics, which the loop then returns as a flat tuple
 
     def row_step(carry, xs):
-        x_R, state, dz = xs[0], rule.init(xs), None
+        x_R, state = xs[0], rule.init(xs)
+        if with_grads and axis is None and rule.sweeps == 1:  # no combine between statistics and dz: one fused step?
+            z = head.col_logits(x_R, 0, head.vocab)
+            fused = rule.stats_grad(z, xs)
+            if fused is not None:
+                state, dz = fused
+                return grads_step(carry, xs, state, dz)
         for sweep in range(rule.sweeps):
             if with_grads or keep_logits:  # whole rows: one block for every sweep and dz (one product: XLA merges the same dot)
                 z = head.col_logits(x_R, 0, head.vocab)
-                fused = rule.stats_grad(z, xs) if with_grads and axis is None and rule.sweeps == 1 else None
-                if fused is not None:
-                    state, dz = fused
-                    break
                 state = rule.stats(z, 0, xs, state, sweep)
             else:
                 body = lambda v0, cols, st: rule.stats(head.col_logits(x_R, v0, cols), v0, xs, st, sweep)
@@ -154,14 +156,16 @@ def forward(rule: Rule, head: Head, per_row: tuple, block_rows: int, with_grads:
                 structure.append(tree)
                 return carry, tuple(leaves)
             state = rule.done(xs, state, sweep)
-        outs = rule.outputs(xs, state)
         if not with_grads:
-            return carry, outs + ((z,) if keep_logits else ())
-        if dz is None:
-            dz = rule.grad(z, 0, xs, rule.coefficients(xs, state))
+            return carry, rule.outputs(xs, state) + ((z,) if keep_logits else ())
+        return grads_step(carry, xs, state, rule.grad(z, 0, xs, rule.coefficients(xs, state)))
+
+    def grads_step(carry, xs, state, dz):
+        """The row block's outputs and its dz's shares of the gradients."""
+        x_R = xs[0]
         dx_dtype = wide if axis is not None else x_R.dtype
         shares = head.summed_row_shares(dz, x_R, dx_dtype) if slabs else head.add_row_shares(dz, x_R, *carry, dx_dtype)
-        return shares[:2], outs + (shares[2],)
+        return shares[:2], rule.outputs(xs, state) + (shares[2],)
 
     carry = _buffers(head, accumulate_dtype, head.b is not None, block_rows) if with_grads else ()
     carry, outs = row_loop(row_step, carry, per_row, head.x.shape[0], block_rows, keep, tail_split)

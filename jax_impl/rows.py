@@ -98,27 +98,29 @@ def reduce_loss(loss_N, rows: TargetRows, reduction: str):
 
 
 def lse_coefficients(g_loss, rows: TargetRows, cw_sum, opts: CrossEntropyOptions, vocab: int, dtype):
-    """(R, A, T, S), each [N] in dtype, of the coefficients before lse is known: P = R (A +
-    2 z_loss lse) (+ the upstream gradient of lse), T and S as `row_coefficients`'. g_loss
-    as there."""
+    """(G, A, T, S), each [N] in dtype, of the coefficients before lse is known: G each
+    row's upstream gradient (0 where ignored), P = G (A + 2 z_loss lse) (+ the upstream
+    gradient of lse), T and S as `row_coefficients`'. A is NaN where the target is out of
+    range, so P is too. g_loss as there."""
     eps = opts.label_smoothing
     g = g_loss.astype(dtype)
     if opts.reduction == "mean":
         g = g / rows.cw_y.sum()
-    r = jnp.where(rows.valid, jnp.broadcast_to(g, rows.valid.shape), 0)
-    t_coef = jnp.where(rows.in_range, r * (1 - eps) * rows.cw_y, 0)
-    return r, (1 - eps) * rows.cw_y + eps * cw_sum / vocab, t_coef, r * eps / vocab
+    g_rows = jnp.where(rows.valid, jnp.broadcast_to(g, rows.valid.shape), 0)
+    a_coef = jnp.where(rows.bad, jnp.nan, (1 - eps) * rows.cw_y + eps * cw_sum / vocab)
+    t_coef = jnp.where(rows.in_range, g_rows * (1 - eps) * rows.cw_y, 0)
+    return g_rows, a_coef, t_coef, g_rows * eps / vocab
 
 
 def row_coefficients(g_loss, g_lse, lse, rows: TargetRows, cw_sum, opts: CrossEntropyOptions, vocab: int):
     """(P, T, S), each [N] in lse's dtype. g_loss: upstream gradient of the reduced loss
     (0-d) or of each row ([N] for "none"); g_lse: of lse ([N]) or None. T is 0 where the
     target is out of range; P is NaN there, so those rows' gradients are NaN."""
-    r, a, t_coef, s_coef = lse_coefficients(g_loss, rows, cw_sum, opts, vocab, lse.dtype)
-    p_coef = r * (a + 2 * opts.z_loss * lse)
+    g_rows, a_coef, t_coef, s_coef = lse_coefficients(g_loss, rows, cw_sum, opts, vocab, lse.dtype)
+    p_coef = g_rows * (a_coef + 2 * opts.z_loss * lse)
     if g_lse is not None:
         p_coef = p_coef + g_lse.astype(lse.dtype)
-    return jnp.where(rows.bad, jnp.nan, p_coef), t_coef, s_coef
+    return p_coef, t_coef, s_coef
 
 
 def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, tail_split: int = 1):

@@ -39,7 +39,7 @@ class KernelOps:
                                   self.interpret, scale, second)
 
     def rows_stats_grad(self, z, b_V, y_R, coefs, softcap, cw_V, need_ws: bool, z_loss: float):
-        """(lse, s_y, ws, dz) of whole-row logits z [R, V] in one kernel, coefs = (R, A, T, S)
+        """(lse, s_y, ws, dz) of whole-row logits z [R, V] in one kernel, coefs = (G, A, T, S)
         of `rows.lse_coefficients` (`kernels.rows_stats_grad`)."""
         return tuple(kernels.rows_stats_grad(z, b_V, cw_V, y_R, *coefs, softcap, need_ws, z_loss, self.interpret))
 

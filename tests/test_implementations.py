@@ -951,3 +951,34 @@ def test_jax_whole_rows_take_the_fused_kernel_where_the_forward_pass_forms_the_g
             assert fused and not steps, (strategy, case, fused, steps)
             assert all(shape[1] == p.vocab for shape in fused), (strategy, case, fused)
             check_against_reference(result, reference(p, options, g_out, g_lse), dtype, p.logit_scale)
+
+
+def test_jax_fused_kernel_gives_the_steps_numbers_with_an_out_of_range_target(monkeypatch):
+    """A reduced loss under jit with one target >= V (the loss NaN, that row's grad_input and
+    every grad_weight entry NaN) beside ignored rows: the fused whole-row kernel gives the
+    statistics and gradient steps' numbers, NaN where they are NaN."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+    from jax_impl.steps import KernelOps
+
+    p = make_problem(11, dtype="float32")
+    y = p.y.astype(np.int32)
+    y[3] = p.vocab
+    assert (y == -100).any()
+
+    def run():
+        jax.clear_caches()
+        loss = lambda x, W: jax_impl.linear_cross_entropy(x, W, jnp.asarray(y), strategy="speed", tuning=SMALL)
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(jnp.asarray(p.x), jnp.asarray(p.W))
+        return [np.asarray(a) for a in (value, *grads)]
+
+    fused = run()
+    monkeypatch.setattr(KernelOps, "rows_stats_grad", None)
+    steps = run()
+    loss, dx, dW = fused
+    assert np.isnan(loss) and np.isnan(dx[3]).all() and np.isnan(dW).all()
+    assert np.isfinite(np.delete(dx, 3, axis=0)).all()
+    for a, b in zip(fused, steps):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)

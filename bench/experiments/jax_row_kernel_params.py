@@ -6,8 +6,8 @@ kernel of cross-entropy's blocks that form the gradients in the forward pass). E
 runs 10 times in one jitted loop (dz written over its input, as in the losses); reports
 microseconds per launch and the block's bytes per second (statistics: read once; dz and
 rows: read and written once, the second read not counted).
-(H200, 2026-11-29; bench/NOTES.md has the entry: the first run, on commit c7feb25's kernels,
-timed a prototype of the fused kernel in place of "rows".)
+(H200, 2026-11-29; bench/NOTES.md has the entry. The first run, on commit c7feb25's kernels,
+timed a prototype of the fused kernel in place of "rows": results/jax_row_kernel_params_sweep.json.)
 Writes $OUT/jax_row_kernel_params.json.
 
 Run on a GPU from the repository root (PARAMS: COLSxWARPSxSTAGES,... to try only those):
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 import jax_impl.kernels as K
 
-# rows x columns of one block: "speed"'s blocks at Q, G, L and S, and one of "memory"'s
-# whole-row blocks at L (about 270 rows at 1.1x the floor)
+# rows x columns of one block: "speed"'s blocks at Q, G, L (Q's block: 4096 rows) and S, and
+# one of "memory"'s whole-row blocks at L (about 270 rows at 1.1x the floor)
 SHAPES = {"Q": (4096, 128256), "G": (2048, 256000), "L": (4096, 128256), "S": (4096, 32000), "L-memory": (256, 128256)}
 PARAMS = [tuple(int(v) for v in p.split("x")) for p in os.environ["PARAMS"].split(",")] if os.environ.get("PARAMS") else \
     list(itertools.product((2048, 4096, 8192), (4, 8, 16), (1, 3)))
