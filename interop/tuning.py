@@ -98,13 +98,11 @@ class Tuning:
     min_block: int = 128
     # "memory": rows and columns of a block at the least (smaller blocks leave the GPU idle).
     min_memory_block: tuple[int, int] = (1024, 4096)
-    # An fp32 grad_weight of a 16-bit W: at most this many vocabulary slabs, each freed as it
-    # is converted (peak 2 W + W / slabs, not 3 W); more slabs cost more time than they save.
-    weight_grad_slabs: int = 2
-    # ... each at least this many bytes (a small head is one slab: one product).
+    # An fp32 grad_weight of a 16-bit W is two slabs (`interop.blocking.weight_grad_slabs`)
+    # where each takes at least this many bytes (a small head is one slab: one product).
     weight_grad_slab_bytes: int = 256 << 20
-    # ... slab edges at multiples of this many classes: cuBLAS picks slow kernels for a dz
-    # column slice whose start is less aligned.
+    # ... the slab edge at a multiple of this many rows of W: cuBLAS picks slow kernels for a
+    # dz column slice whose start is less aligned.
     slab_align: int = 256
     # N D V from which the kernel paths compute only the rows not ignored (PyTorch waits for
     # the GPU once to find them, JAX sorts the rows): it pays once 6 N D V flops take

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=["default-blocks", "small-blocks"])
 def blocks(request):
     """The Tuning of the GPU tests' medium shapes: the defaults, and small blocks so that
-    they span several row and column blocks (and an fp32 grad_weight several vocabulary
+    they span several row and column blocks (and an fp32 grad_weight two vocabulary
     slabs): tests.frameworks.MEDIUM_BLOCKS."""
     from interop.tuning import DEFAULT
     from tests.frameworks import MEDIUM_BLOCKS

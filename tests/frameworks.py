@@ -43,9 +43,9 @@ _NUMPY_DTYPE = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32"
 # whole rows, "memory" in blocks of 4 rows x 8 to 12 columns (JAX's: 4 rows x 53 columns).
 SMALL_BLOCKS = Tuning(min_chunk_rows=1, min_block=4, min_memory_block=(4, 4), speed_block_elements=5 * 53,
                       speed_min_rows=1, one_speed_block_share=0, whole_row_head_bytes=0)
-# SMALL_BLOCKS, and an fp32 grad_weight of a 16-bit W in 5 vocabulary slabs; JAX's "memory" in
-# blocks of 4 rows x 8 columns (XLA's GEMM workspace and per-row temporaries not counted).
-SMALL = dataclasses.replace(SMALL_BLOCKS, weight_grad_slabs=5, weight_grad_slab_bytes=1, slab_align=1,
+# SMALL_BLOCKS, and an fp32 grad_weight of a 16-bit W in two slabs; JAX's "memory" in blocks of
+# 4 rows x 8 columns (XLA's GEMM workspace and per-row temporaries not counted).
+SMALL = dataclasses.replace(SMALL_BLOCKS, weight_grad_slab_bytes=1, slab_align=1,
                             xla_memory_cols=8, xla_gemm_workspace=0, xla_row_bytes=0)
 # SMALL with "memory" in blocks of whole rows at 13 x 19 x 53: a scratch of 4.5 rows of 53 logits
 # (238 elements) after grad_input, blocks of 6, 5 and 2 of 13 rows (4 without grad_input; in
@@ -60,7 +60,7 @@ WHOLE_ROW_MEMORY = dataclasses.replace(SMALL, min_whole_rows=1, whole_row_align=
 # fields of a Tuning ...
 MEDIUM_BLOCK_FIELDS = dict(min_block=64, min_memory_block=(64, 64), speed_block_elements=300 * 5003, memory_fraction=0.01,
                            speed_min_rows=1, one_speed_block_share=0, whole_row_head_bytes=0)
-# ... and with them an fp32 grad_weight in several vocabulary slabs.
+# ... and with them an fp32 grad_weight in two vocabulary slabs.
 MEDIUM_BLOCKS = Tuning(**MEDIUM_BLOCK_FIELDS, weight_grad_slab_bytes=1 << 16)
 # Bytes the CUDA memory tests allow beyond their bounds: large allocations are rounded up to
 # 2 MiB; cuBLAS's workspace (32 MiB on Hopper).

@@ -33,7 +33,7 @@ GRAD_ARGS = ("grad_output", "grad_lse")
 
 
 # Blocks small enough for a test's shape (27 x 16 x 70) to span several row and column blocks
-# (several fp32 grad_weight slabs), with the ignored rows skipped.
+# (two fp32 grad_weight slabs), with the ignored rows skipped.
 SMALL_BLOCKS = Tuning(min_block=8, min_memory_block=(8, 16), memory_fraction=0.01, speed_block_elements=16 * 70, speed_min_rows=1,
                       whole_row_head_bytes=0, one_speed_block_share=0,
                       weight_grad_slab_bytes=1 << 10, slab_align=8, skip_ignored_min_work=0, min_whole_rows=1 << 30)

@@ -821,14 +821,15 @@ def test_accumulate_in_input_dtype(impl):
 @pytest.mark.parametrize("blocks", [
     [(0, 53), (3, 11), (14, 25), (40, 13), (52, 1)],  # a whole first block, then parts
     [(3, 11), (14, 25), (0, 53), (52, 1)],  # parts first
-    [(0, 5), (2, 7)],  # most slabs never touched
+    [(0, 5), (2, 7)],  # the second slab never touched (VD)
 ], ids=["whole-first", "parts-first", "untouched"])
 @pytest.mark.parametrize("layout", ["VD", "DV"])
 def test_weight_grad_slabs_add_column_blocks_anywhere(layout, blocks):
-    """An fp32 grad_weight accumulator of a bf16 W is cut into vocabulary slabs (allocated
-    uninitialised); column blocks that straddle slab edges land in the right rows
-    (classes), and the result has W's dtype and layout and equals the float64 sum rounded
-    once to bf16 (zeros where no block went). SMALL: 5 slabs of 11 classes (the last 9)."""
+    """An fp32 grad_weight accumulator of a bf16 W is two slabs along W's first dimension
+    (allocated uninitialised; SMALL: VD classes 0..26 and 26..53, DV hidden rows 0..9 and
+    9..19); column blocks that straddle the edge land in the right classes, and the result
+    has W's dtype and layout, is the tensor whose storage held the first slab, and equals the
+    float64 sum rounded once to bf16 (zeros where no block went)."""
     import torch
 
     from torch_impl.head import WeightGrad
@@ -836,7 +837,8 @@ def test_weight_grad_slabs_add_column_blocks_anywhere(layout, blocks):
     torch.manual_seed(3)
     V, D, R = 53, 19, 7
     acc = WeightGrad(torch.zeros((V, D) if layout == "VD" else (D, V), dtype=torch.bfloat16), layout, torch.float32, SMALL)
-    assert len(acc.slabs) == SMALL.weight_grad_slabs == 5
+    assert len(acc.slabs) == 2 and acc.starts == ([0, 26, 53] if layout == "VD" else [0, 9, 19])
+    storage = acc.slabs[0].untyped_storage().data_ptr()
     expected = torch.zeros(V, D, dtype=torch.float64)
     for v0, cols in blocks:
         dz, x = torch.randn(R, cols).bfloat16(), torch.randn(R, D).bfloat16()
@@ -844,27 +846,40 @@ def test_weight_grad_slabs_add_column_blocks_anywhere(layout, blocks):
         expected[v0 : v0 + cols] += dz.double().T @ x.double()
     got = acc.result()
     assert got.dtype == torch.bfloat16 and got.shape == ((V, D) if layout == "VD" else (D, V)) and acc.slabs == []
+    assert got.untyped_storage().data_ptr() == storage and got.is_contiguous()
     got = got if layout == "VD" else got.T
-    err = (got.double() - expected).norm() / expected.norm()
-    assert err <= 2.0**-8, err
+    assert torch.equal(got, expected.float().bfloat16())  # each value one fp32 sum of exact products, rounded once
     assert torch.equal(got[expected.abs().sum(1) == 0], torch.zeros_like(got[expected.abs().sum(1) == 0]))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 63, 64, 65, 127, 1000, 4099])
+def test_narrow_in_place_converts_every_value(n):
+    """fp32 values converted to bf16 over their own storage's first half equal a plain
+    conversion, at sizes where the first chunk and the doubling ones end anywhere."""
+    import torch
+
+    from torch_impl.head import narrow_in_place
+
+    wide = torch.randn(n) * torch.logspace(-30, 30, n)
+    expected = wide.to(torch.bfloat16)
+    narrow = wide.view(torch.bfloat16)[:n]
+    narrow_in_place(wide, narrow)
+    assert torch.equal(narrow, expected)
+
+
 def test_weight_grad_slab_edges():
-    """Slabs only for a wide accumulator, at most Tuning.weight_grad_slabs of at least
-    Tuning.weight_grad_slab_bytes (the default tuning), edges aligned."""
+    """Two slabs only for a wide accumulator whose halves take at least
+    Tuning.weight_grad_slab_bytes each (the default tuning); the first holds at most half
+    the rows (its storage takes grad_weight in W's dtype); the edge aligned."""
     from interop.blocking import weight_grad_slabs
 
     t = DEFAULT
     assert weight_grad_slabs(t, 128256, 4096 * 2, False) == [0, 128256]
-    for vocab, hidden in [(128256, 4096), (256000, 2304), (32000, 1024)]:
-        edges = weight_grad_slabs(t, vocab, hidden * 4, True)
-        slabs = len(edges) - 1
-        assert edges[0] == 0 and edges[-1] == vocab and all(a < b for a, b in zip(edges, edges[1:]))
-        assert slabs == min(t.weight_grad_slabs, max(1, vocab * hidden * 4 // t.weight_grad_slab_bytes))
-        assert all(e % t.slab_align == 0 for e in edges[:-1])
-    assert len(weight_grad_slabs(t, 128256, 4096 * 4, True)) - 1 == t.weight_grad_slabs  # L: 2 GiB
-    assert len(weight_grad_slabs(t, 32000, 1024 * 4, True)) - 1 == 1  # S: one product
+    assert weight_grad_slabs(t, 128256, 4096 * 4, True) == [0, 64000, 128256]  # L: 2 GiB
+    assert weight_grad_slabs(t, 256000, 2304 * 4, True) == [0, 128000, 256000]  # G
+    assert weight_grad_slabs(t, 2304, 256000 * 4, True) == [0, 1024, 2304]  # G's [D, V] W
+    assert weight_grad_slabs(t, 32000, 1024 * 4, True) == [0, 32000]  # S: one product
+    assert weight_grad_slabs(t, 300, 1 << 30, True) == [0, 300]  # less than two aligned halves
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

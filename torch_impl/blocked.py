@@ -8,7 +8,7 @@ Two strategies (`torch_impl.head.plan`, from interop.planning):
 - "speed": blocks of whole rows (C = V). When the loss is reduced ("mean"/"sum") and
   no lse is returned, the gradients are computed during the forward pass (6 N D V flops)
   and the backward pass only scales them. grad_weight is accumulated across row blocks in
-  fp32 (or in the input dtype with `accumulate_in_input_dtype`), in vocabulary slabs
+  fp32 (or in the input dtype with `accumulate_in_input_dtype`), in slabs
   (`WeightGrad`); with one row block it is one product written in the input dtype.
 - "memory": blocks of [R, C] sized so that the logits block and the fp32 grad_input
   accumulator of one row block together stay under a few percent of the gradients'

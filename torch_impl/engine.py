@@ -18,7 +18,7 @@ row blocks of logits z [R, C] (`HeadBlocks.logits`, no bias):
   accumulator, for every loss whose upstream gradients the forward pass does not know.
 
 The loop owns everything else once for every loss: the gradient buffers (grad_weight in
-vocabulary slabs, grad_input rows written once or summed over column blocks in fp32), the
+slabs converted in place, grad_input rows written once or summed over column blocks in fp32), the
 rows computed (`HeadBlocks.active`), and the order of a head split over the vocabulary
 (`torch_impl.vocab_parallel.VocabSplit`; its blocks hold the gathered rows): the rule's
 `rows_done` combines each row block's statistics before its dz, or, when no gradient is

@@ -102,37 +102,47 @@ def _mixedaddmm_supported() -> bool:
 
 
 class WeightGrad:
-    """grad_weight accumulated in `dtype` as vocabulary slabs (interop.blocking.
-    weight_grad_slabs), each its own tensor, so that the conversion to W's dtype frees each
-    slab as it goes: an fp32 accumulator of a 16-bit W peaks at 2 W + W / slabs, not 3 W.
-    A slab's first product overwrites it (no zero fill to read back); a slab that only
-    gets parts of blocks is zeroed first, one that gets none at the end. `slabs` holds the
-    accumulator's tensors until `result` spends them."""
+    """grad_weight accumulated in `dtype`, in slabs along W's first dimension (classes of a
+    "VD" W, the hidden dimension of a "DV" one; interop.blocking.weight_grad_slabs), each its
+    own tensor. An fp32 accumulator of a 16-bit W is two slabs where it is large: the first,
+    of at most half the rows, lies at the start of grad_weight's own tensor in W's dtype, so
+    `result` converts it in place and the second into the rest, then frees the second. The
+    peak stays the accumulator's 2 W (one fp32 tensor would convert into a third W), and no
+    concatenation copies grad_weight. A slab's first product overwrites it (no zero fill to
+    read back); a slab that only gets parts of blocks is zeroed first, one that gets none at
+    the end. `slabs` holds the accumulator until `result` spends it."""
 
     def __init__(self, W, layout: str, dtype: torch.dtype, t: Tuning):
-        vocab, hidden = (W.shape[0], W.shape[1]) if layout == "VD" else (W.shape[1], W.shape[0])
+        lead, row = W.shape
         self.layout, self.dtype = layout, W.dtype
-        self.starts = weight_grad_slabs(t, vocab, hidden * dtype.itemsize, dtype != W.dtype)
-        shape = (lambda n: (n, W.shape[1])) if layout == "VD" else (lambda n: (W.shape[0], n))
-        self.slabs = [torch.empty(shape(b - a), dtype=dtype, device=W.device) for a, b in zip(self.starts, self.starts[1:])]
+        self.starts = weight_grad_slabs(t, lead, row * dtype.itemsize, dtype != W.dtype)
+        if len(self.starts) == 2:
+            self._out = None
+            self.slabs = [torch.empty(W.shape, dtype=dtype, device=W.device)]
+        else:  # the first slab inside grad_weight's tensor (16-bit values viewed as fp32)
+            half = self.starts[1]
+            self._out = torch.empty(W.shape, dtype=W.dtype, device=W.device)
+            first = self._out.view(-1)[: half * row * dtype.itemsize // W.dtype.itemsize].view(dtype).view(half, row)
+            self.slabs = [first, torch.empty(lead - half, row, dtype=dtype, device=W.device)]
         self.written = [False] * len(self.slabs)
 
     def add_(self, dz_RC, x_RD, v0: int) -> None:
-        """Add dz [R, C]^T x [R, D] to the rows (classes) v0..v0+C."""
+        """Add dz [R, C]^T x [R, D] to the classes v0..v0+C."""
         v1 = v0 + dz_RC.shape[1]
         for i, (slab, a, b) in enumerate(zip(self.slabs, self.starts, self.starts[1:])):
-            lo, hi = max(a, v0), min(b, v1)
-            if lo >= hi:
-                continue
-            if not self.written[i] and (lo, hi) != (a, b):
+            if self.layout == "VD":  # slab i holds classes a..b
+                lo, hi = max(a, v0), min(b, v1)
+                if lo >= hi:
+                    continue
+                part, whole = slab[lo - a : hi - a], (lo, hi) == (a, b)
+                left, right = dz_RC[:, lo - v0 : hi - v0].T, x_RD
+            else:  # slab i holds hidden rows a..b of every class
+                part, whole = slab[:, v0:v1], (v0, v1) == (0, slab.shape[1])
+                left, right = x_RD[:, a:b].T, dz_RC
+            if not self.written[i] and not whole:
                 slab.zero_()
                 self.written[i] = True
-            beta = 1.0 if self.written[i] else 0.0
-            dz = dz_RC[:, lo - v0 : hi - v0]
-            if self.layout == "VD":
-                addmm_(slab[lo - a : hi - a], dz.T, x_RD, beta)
-            else:
-                addmm_(slab[:, lo - a : hi - a], x_RD.T, dz, beta)
+            addmm_(part, left, right, 1.0 if self.written[i] else 0.0)
             self.written[i] = True
 
     def index_add_(self, classes_K: torch.Tensor, rows_KD: torch.Tensor) -> None:
@@ -142,26 +152,42 @@ class WeightGrad:
             if not self.written[i]:
                 slab.zero_()
                 self.written[i] = True
-            inside = (classes_K >= a) & (classes_K < b)
-            part = (rows_KD * inside[:, None]).to(slab.dtype)
-            index = torch.where(inside, classes_K - a, 0)
             if self.layout == "VD":
-                slab.index_add_(0, index, part)
+                inside = (classes_K >= a) & (classes_K < b)
+                part = (rows_KD * inside[:, None]).to(slab.dtype)
+                slab.index_add_(0, torch.where(inside, classes_K - a, 0), part)
             else:
-                slab.index_add_(1, index, part.T)
+                slab.index_add_(1, classes_K, rows_KD[:, a:b].T.to(slab.dtype))
 
     def result(self) -> torch.Tensor:
         """grad_weight in W's dtype and layout; the accumulator is spent."""
         slabs, self.slabs = self.slabs, []
+        out, self._out = self._out, None
         for i in range(len(slabs)):  # by index: a loop variable would keep the last slab alive
             if not self.written[i]:
                 slabs[i].zero_()
-        if len(slabs) == 1:
+        if out is None:
             return slabs[0].to(self.dtype)
-        parts = []
-        while slabs:
-            parts.append(slabs.pop(0).to(self.dtype))
-        return torch.cat(parts, dim=0 if self.layout == "VD" else 1)
+        flat = out.view(-1)
+        n = slabs[0].numel()
+        narrow_in_place(slabs.pop(0).view(-1), flat[:n])
+        flat[n:].copy_(slabs.pop().view(-1))
+        return out
+
+
+def narrow_in_place(wide: torch.Tensor, narrow: torch.Tensor) -> None:
+    """narrow[i] = wide[i] (rounded) for flat tensors where narrow, of half the itemsize,
+    starts at wide's first byte: values [a, b) are converted after every value before a,
+    and with b <= 2 a their destination bytes lie below wide[a]'s, whose values are read
+    already. The first chunk, whose destination overlaps its own source, goes through a
+    copy of a 64th of the values; the chunks then double (seven more launches)."""
+    n = wide.numel()
+    done = min(n, -(-n // 64))
+    narrow[:done].copy_(wide[:done].to(narrow.dtype))
+    while done < n:
+        end = min(n, 2 * done)
+        narrow[done:end].copy_(wide[done:end])
+        done = end
 
 
 class HeadBlocks:
