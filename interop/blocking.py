@@ -263,15 +263,15 @@ def even_rows(t: Tuning, n_rows: int, most: int) -> int:
     return max(1, min(n_rows, most, -(-rows // t.min_block) * t.min_block))
 
 
-def weight_grad_slabs(t: Tuning, lead: int, lead_bytes: int, wider_than_weight: bool) -> list[int]:
+def weight_grad_slabs(t: Tuning, lead: int, lead_bytes: int, twice_as_wide: bool) -> list[int]:
     """Edges [0, .., lead] of the slabs, along W's first dimension (lead: classes of a [V, D]
     W, the hidden dimension of a [D, V] one), of a grad_weight accumulator whose row along it
-    takes lead_bytes: one slab when it has W's dtype; two when it is wider (fp32 for a
-    16-bit W) and each takes at least t.weight_grad_slab_bytes. The first then holds at most
+    takes lead_bytes: one slab, or two where its values take twice W's bytes (fp32 for a
+    16-bit W) and each slab takes at least t.weight_grad_slab_bytes. The first then holds at most
     half the rows, so its storage has room for all of grad_weight in W's dtype: the
     conversion writes there and frees the second (peak 2 W, the accumulator's, not 3 W).
     Edges are multiples of t.slab_align."""
     half = lead // 2 // t.slab_align * t.slab_align
-    if not wider_than_weight or half == 0 or half * lead_bytes < t.weight_grad_slab_bytes:
+    if not twice_as_wide or half == 0 or half * lead_bytes < t.weight_grad_slab_bytes:
         return [0, lead]
     return [0, half, lead]

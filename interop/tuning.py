@@ -102,7 +102,7 @@ class Tuning:
     # where each takes at least this many bytes (a small head is one slab: one product).
     weight_grad_slab_bytes: int = 256 << 20
     # ... the slab edge at a multiple of this many rows of W: cuBLAS picks slow kernels for a
-    # dz column slice whose start is less aligned.
+    # dz column slice (x's, for a [D, V] W) whose start is less aligned.
     slab_align: int = 256
     # N D V from which the kernel paths compute only the rows not ignored (PyTorch waits for
     # the GPU once to find them, JAX sorts the rows): it pays once 6 N D V flops take

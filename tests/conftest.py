@@ -32,8 +32,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=["default-blocks", "small-blocks"])
 def blocks(request):
     """The Tuning of the GPU tests' medium shapes: the defaults, and small blocks so that
-    they span several row and column blocks (and an fp32 grad_weight two vocabulary
-    slabs): tests.frameworks.MEDIUM_BLOCKS."""
+    they span several row and column blocks (and an fp32 grad_weight two slabs
+    along W's first dimension in both layouts): tests.frameworks.MEDIUM_BLOCKS."""
     from interop.tuning import DEFAULT
     from tests.frameworks import MEDIUM_BLOCKS
 

@@ -60,8 +60,9 @@ WHOLE_ROW_MEMORY = dataclasses.replace(SMALL, min_whole_rows=1, whole_row_align=
 # fields of a Tuning ...
 MEDIUM_BLOCK_FIELDS = dict(min_block=64, min_memory_block=(64, 64), speed_block_elements=300 * 5003, memory_fraction=0.01,
                            speed_min_rows=1, one_speed_block_share=0, whole_row_head_bytes=0)
-# ... and with them an fp32 grad_weight in two vocabulary slabs.
-MEDIUM_BLOCKS = Tuning(**MEDIUM_BLOCK_FIELDS, weight_grad_slab_bytes=1 << 16)
+# ... and with them an fp32 grad_weight in two slabs along W's first dimension, in both layouts
+# (a [D, V] W's hidden dimension of 257 is cut at 128 rows).
+MEDIUM_BLOCKS = Tuning(**MEDIUM_BLOCK_FIELDS, weight_grad_slab_bytes=1 << 16, slab_align=64)
 # Bytes the CUDA memory tests allow beyond their bounds: large allocations are rounded up to
 # 2 MiB; cuBLAS's workspace (32 MiB on Hopper).
 ALLOCATOR_SLACK = 64 << 20

@@ -6,7 +6,7 @@ At the sizes of these tests the threshold (Tuning.skip_ignored_min_work) is lowe
 (SKIPPING) so that every call with some ignored rows takes that path; a spy on
 `blocked.forward` asserts that it did, with exactly the rows not ignored. The CPU tests run
 the Triton kernels in the interpreter with small blocks (tests.frameworks.SMALL: several row
-blocks, column blocks and vocabulary slabs).
+blocks, column blocks and two grad_weight slabs).
 """
 
 from __future__ import annotations

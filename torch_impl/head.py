@@ -1,6 +1,6 @@
 """A linear head's operands cut into blocks, for the block loop (`torch_impl.engine`): the
 plan of one call, the reused logits buffer, the rows gathered and scattered when only some
-are computed, and the gradient accumulators (grad_weight in vocabulary slabs). No kernel here: the fallback runs
+are computed, and the gradient accumulators (grad_weight in slabs converted in place). No kernel here: the fallback runs
 these blocks where Triton is not installed.
 """
 
@@ -103,11 +103,13 @@ def _mixedaddmm_supported() -> bool:
 
 class WeightGrad:
     """grad_weight accumulated in `dtype`, in slabs along W's first dimension (classes of a
-    "VD" W, the hidden dimension of a "DV" one; interop.blocking.weight_grad_slabs), each its
-    own tensor. An fp32 accumulator of a 16-bit W is two slabs where it is large: the first,
-    of at most half the rows, lies at the start of grad_weight's own tensor in W's dtype, so
-    `result` converts it in place and the second into the rest, then frees the second. The
-    peak stays the accumulator's 2 W (one fp32 tensor would convert into a third W), and no
+    "VD" W, the hidden dimension of a "DV" one; interop.blocking.weight_grad_slabs). An fp32
+    accumulator of a 16-bit W is two slabs where it is large: the first, of at most half the
+    rows, is an fp32 view of the start of grad_weight's own tensor in W's dtype, so `result`
+    converts it in place and the second (a tensor of its own) into the rest, then frees the
+    second. The peak stays the accumulator's 2 W (plus the rows that the edge's alignment
+    leaves in the second slab beyond half: none where half of W's first dimension is a
+    multiple of Tuning.slab_align); one fp32 tensor would convert into a third W, and no
     concatenation copies grad_weight. A slab's first product overwrites it (no zero fill to
     read back); a slab that only gets parts of blocks is zeroed first, one that gets none at
     the end. `slabs` holds the accumulator until `result` spends it."""
@@ -115,7 +117,7 @@ class WeightGrad:
     def __init__(self, W, layout: str, dtype: torch.dtype, t: Tuning):
         lead, row = W.shape
         self.layout, self.dtype = layout, W.dtype
-        self.starts = weight_grad_slabs(t, lead, row * dtype.itemsize, dtype != W.dtype)
+        self.starts = weight_grad_slabs(t, lead, row * dtype.itemsize, dtype.itemsize == 2 * W.dtype.itemsize)
         if len(self.starts) == 2:
             self._out = None
             self.slabs = [torch.empty(W.shape, dtype=dtype, device=W.device)]
@@ -180,7 +182,7 @@ def narrow_in_place(wide: torch.Tensor, narrow: torch.Tensor) -> None:
     starts at wide's first byte: values [a, b) are converted after every value before a,
     and with b <= 2 a their destination bytes lie below wide[a]'s, whose values are read
     already. The first chunk, whose destination overlaps its own source, goes through a
-    copy of a 64th of the values; the chunks then double (seven more launches)."""
+    copy of a 64th of the values; the chunks then double (six or seven more launches)."""
     n = wide.numel()
     done = min(n, -(-n // 64))
     narrow[:done].copy_(wide[:done].to(narrow.dtype))

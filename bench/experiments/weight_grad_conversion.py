@@ -1,6 +1,6 @@
 """PyTorch "speed"'s fp32 grad_weight of a bf16 W converted into its first slab's storage
 (`torch_impl.head.WeightGrad`) against the two slabs converted and concatenated (`CatWeightGrad`
-below, the code before), and "speed"'s row blocks at L and G (NVIDIA H200, 2026-11-29;
+below, with the same slab edges), and "speed"'s row blocks at L and G (NVIDIA H200, 2026-11-29;
 bench/NOTES.md has the entry, bench/results/weight_grad_conversion.json the numbers): fwd+bwd
 ms over 5 interleaved rounds, peak memory, and whether the gradients equal the default's bit for
 bit; then JAX "speed" at two row-block sizes (XLA's temporaries). SHARE=0 keeps several blocks
