@@ -102,19 +102,19 @@ class Head:
         """(dW, db, dx_R) of dz [R, V] over every row this device holds and every class of
         the head, its rows split over `split_rows`: grad_input's rows as `add_row_shares`
         gives them; grad_weight formed in slabs of the hidden dimension
-        (`interop.tuning.ROWS_SUM_SLABS`), each summed over the devices as soon as it is
-        formed (`partitioned.Axes.summed`: fp32, then rounded to W's dtype), so that
-        one slab's sum overlaps the next slab's product (the last one's, grad_input's) and
-        no whole fp32 partial is held; grad_bias likewise. (Slabs all-reduced instead would
-        be combined by XLA into one all-reduce of the whole partial.)"""
+        (`interop.tuning.ROWS_SUM_SLABS`), each reduce-scattered over the devices in fp32 as
+        soon as it is formed, then rounded to W's dtype and gathered once
+        (`partitioned.Axes.summed_slabs`), so that one slab's sum overlaps the next slab's
+        product (the last one's, grad_input's) and no whole fp32 partial is held; grad_bias
+        summed whole. (Slabs all-reduced instead would be combined by XLA into one
+        all-reduce of the whole partial.)"""
         dx_R = self.grad_input_share(dz, self.head_cols(0, self.vocab), dx_dtype)
         wide, hidden = _wide(dz), x_R.shape[1]
         slabs = max(1, min(ROWS_SUM_SLABS, hidden))
         edges = [hidden * k // slabs for k in range(slabs + 1)]
-        classes, summed = 0 if self.vd else 1, self.split_rows.summed
-        dW = jnp.concatenate([summed(self.grad_weight_share(dz, x_R[:, a:e], wide), self.W.dtype, classes)
-                              for a, e in zip(edges, edges[1:])], axis=1 - classes)
-        db = None if self.b is None else summed(dz.astype(wide).sum(0), self.b.dtype, 0)
+        dW = self.split_rows.summed_slabs([self.grad_weight_share(dz, x_R[:, a:e], wide) for a, e in zip(edges, edges[1:])],
+                                          self.W.dtype, 0 if self.vd else 1)
+        db = None if self.b is None else self.split_rows.summed(dz.astype(wide).sum(0), self.b.dtype, 0)
         return dW, db, dx_R
 
     def col_loop(self, body, carry):

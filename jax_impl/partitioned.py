@@ -77,6 +77,21 @@ class Axes:
         mine = jax.lax.psum_scatter(g.astype(wide), self.rows, scatter_dimension=dim, tiled=True)
         return jax.lax.all_gather(mine.astype(dtype), self.rows, axis=dim, tiled=True)
 
+    def summed_slabs(self, slabs, dtype, classes: int):
+        """`summed` of a partial formed in slabs (a list of arrays, to be joined along the
+        dimension other than `classes`), each slab reduce-scattered over its classes as soon
+        as it is formed, so that its sum overlaps the next slab's product. The device's
+        rounded slices are joined (the rounding writes them in place) and gathered once:
+        one all-gather, and no copy of the whole result to join gathered slabs. Where the
+        devices do not divide the classes, each slab is `summed` on its own."""
+        wide, devices, join = compute_dtype(dtype), jax.lax.psum(1, self.rows), 1 - classes
+        if slabs[0].shape[classes] % devices:
+            return jax.numpy.concatenate([self.summed(g, dtype, classes) for g in slabs], axis=join)
+        mine = jax.numpy.concatenate(
+            [jax.lax.psum_scatter(g.astype(wide), self.rows, scatter_dimension=classes, tiled=True).astype(dtype)
+             for g in slabs], axis=join)
+        return mine if self.classes_on_rows else jax.lax.all_gather(mine, self.rows, axis=classes, tiled=True)
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:

@@ -1373,6 +1373,11 @@ for V in (52, 51):  # 52 classes divide over 2 or 4 devices (scattered over them
                                                        for r in results)):
             bad.append((V, head_args[1].dtype, "one block: grad_weight summed over the devices in", slabs, "slabs",
                         results))
+        # the devices' rounded slices of every slab gathered at once, whole: no gathered slabs to join
+        gathered = [re.split(r" all-gather(-start)?\(", line)[0] for line in hlo if re.search(r" all-gather(-start)?\(", line)]
+        if V % P_ == 0 and (sum(f"[{V},{D}]" in r for r in gathered) != 1
+                            or any(f"[{V},{D // ROWS_SUM_SLABS}]" in r for r in gathered)):
+            bad.append((V, head_args[1].dtype, "one block: grad_weight not gathered once whole", gathered))
 if gpu:  # per-device temporaries: a device's own problem's, plus no more than one fp32 [V, D] crossing
     N, D, V = 16384, 512, 32768  # a device's logits 4x its fp32 [V, D] partial, as at L
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
