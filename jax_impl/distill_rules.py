@@ -346,18 +346,20 @@ def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: 
     return engine.backward(rule, student, per_row, cfg.block_rows, cfg.accumulate_dtype(W.dtype), axis=axis)[:2]
 
 
-def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple) -> Layout:
+def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple, W, Wt) -> Layout:
     """The dense passes' operands after `head`: x, W, the teacher's xt and Wt ("e" its hidden
-    dimension, "u" its classes), valid, num_items; under jit both heads' classes on every
-    device (a split of one would need the other's alike: the shard_map axis' case)."""
+    dimension), valid, num_items. A teacher of the student's classes has them split alike
+    with the student's head (factor "v": a replicated teacher is sliced where it lies);
+    one of other classes ("u") keeps both heads' classes on every device."""
+    alike = _vocab(W, cfg) == _vocab(Wt, cfg)
     w, wt = ("v d", "u e") if cfg.weight_layout == "VD" else ("d v", "e u")
-    operands = head + ("n d", w, "n e", wt, "n", "")
-    return Layout(operands, tuple(w if o == "W" else o for o in outputs), split_vocab=False)
+    operands = head + ("n d", w, "n e", wt.replace("u", "v") if alike else wt, "n", "")
+    return Layout(operands, tuple(w if o == "W" else o for o in outputs), split_vocab=alike)
 
 
 def _dense_forward_pass(static, axes: Axes, x_ND, W, xt_ND, Wt, valid_N, num_items):
     cfg, with_grads = static
-    cfg = cfg.local(x_ND.shape[0], cfg.vocab, axes)
+    cfg = cfg.local(x_ND.shape[0], min(_vocab(W, cfg), _vocab(Wt, cfg)), axes)
     loss, saved, grads = _dense_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grads, axes.vocab)
     saved += (None,) * (4 - len(saved))  # no logits kept
     return (loss, *saved[:3], *(grads or (None,) * 2), saved[3])
@@ -365,7 +367,7 @@ def _dense_forward_pass(static, axes: Axes, x_ND, W, xt_ND, Wt, valid_N, num_ite
 
 def _dense_backward_pass(cfg: DistillConfig, axes: Axes, g_loss, lse_s, lse_t, kl_q, logits, x_ND, W, xt_ND, Wt,
                          valid_N, num_items):
-    cfg = cfg.local(x_ND.shape[0], cfg.vocab, axes)
+    cfg = cfg.local(x_ND.shape[0], min(_vocab(W, cfg), _vocab(Wt, cfg)), axes)
     return _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, (lse_s, lse_t, kl_q, logits), cfg,
                            axes.vocab)
 
@@ -374,7 +376,7 @@ def _dense_passes_forward(x_ND, W, xt_ND, Wt, valid_N, num_items, cfg, with_grad
     """(loss, saved, grads or None) through `jax_impl.partitioned`."""
     num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
     grads = ("n d", "W") if with_grads else (None,) * 2
-    layout = _dense_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n") + grads + (_kept_factors(cfg, with_grads),))
+    layout = _dense_layout(cfg, (), (_loss_factors(cfg), "n", "n", "n") + grads + (_kept_factors(cfg, with_grads),), W, Wt)
     loss, *rest = partitioned.run(_dense_forward_pass, (cfg, with_grads), layout, x_ND, W, xt_ND, Wt, valid_N,
                                   num_items, axis=axis, whole=cfg.unpartitioned)
     return loss, tuple(rest[:3]) + (rest[5],), (tuple(rest[3:5]) if with_grads else None)
@@ -396,7 +398,7 @@ class _DenseCall(engine.Call):
     def backward(self, arrays, saved, g_loss):
         cfg, (x_ND, W, xt_ND, Wt, valid_N, num_items) = self.cfg, arrays
         num_items = global_denominator(valid_N, num_items, cfg.options.reduction, compute_dtype(x_ND.dtype))
-        layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n v"), ("n d", "W"))
+        layout = _dense_layout(cfg, (_loss_factors(cfg), "n", "n", "n", "n v"), ("n d", "W"), W, Wt)
         return partitioned.run(_dense_backward_pass, cfg, layout, g_loss, *saved, x_ND, W, xt_ND, Wt, valid_N,
                                num_items, axis=self.axis, whole=cfg.unpartitioned)
 

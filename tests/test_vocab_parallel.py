@@ -930,7 +930,7 @@ for key, kind, strategy, p, options, upstream in jax_split_cases(jit, strategies
             ids, lp = (put(a, *rows, None) for a in p.teacher)
             local = lambda x, W, b=None: jax_impl.linear_topk_distillation(x, W, ids, lp, linear_bias=b, **call, **extra)
             f = to_mesh(local, P(*lead) if none else P())
-        else:  # the teacher's head split as the student's inside shard_map, whole under jit
+        else:  # the teacher's head split as the student's inside shard_map, replicated under jit
             xt, Wt = put(p.teacher[0], *rows, None), put(p.teacher[1], None, None)
             local = lambda x, W, xt, Wt: jax_impl.linear_distillation(x, W, xt, Wt, **call, **extra)
             specs += (P(*lead, None), specs[1])
@@ -961,9 +961,11 @@ for key, kind, strategy, p, options, upstream in jax_split_cases(jit, strategies
                                argnums=tuple(range(len(args))))).lower(*args).compile().as_text()
         lines = [line.strip()[:100] for line in hlo.splitlines() if " all-gather(" in line]
         x_shape, w_shape = (",".join(map(str, a.shape)) for a in (p.x, p.W))
+        classes = lambda w: w.shape[0 if layout == "VD" else 1]
         gathered += [(key, "input", line) for line in lines if rows[0] == "dp" and f"[{x_shape}]" in line]
         gathered += [(key, "head", line) for line in lines
-                     if head == "tp" and mesh.shape["tp"] > 1 and kind != "dense" and f"[{w_shape}]" in line]
+                     if head == "tp" and mesh.shape["tp"] > 1 and f"[{w_shape}]" in line
+                     and (kind != "dense" or classes(p.teacher[1]) == classes(p.W))]  # a teacher of other classes: gathered
 np.savez(sys.argv[1], **{k: np.asarray(v) for k, v in out.items()})
 print("GATHERED", gathered)
 print("done" if not gathered else "gathered")
@@ -1102,10 +1104,11 @@ def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices,
     (log-probabilities, entropy, argmax and both upstream gradients) and
     `linear_policy_loss`: inside jax.shard_map (check_vma=True) with the head split over
     "tp" (`vocab_parallel`), or under jax.jit with the operands sharded (the head over "tp",
-    or for "memory" over "dp" as FSDP shards it, the rows over "dp" where they divide;
-    the dense teacher's heads gathered):
+    or for "memory" over "dp" as FSDP shards it, the rows over "dp" where they divide; a
+    replicated dense teacher of the student's classes sliced alike, one of other classes
+    gathered with the student's head):
     the float64 reference's outputs and gradients, and under jit the kernels' passes gather
-    neither the input nor a head sharded on "tp" (the dense teacher's excepted)."""
+    neither the input nor a head sharded on "tp" (beside a dense teacher of other classes)."""
     from tests import test_log_probs, test_policy_loss
     from tests.distill_frameworks import errors
     from tests.distill_frameworks import reference as distill_reference
