@@ -20,20 +20,17 @@ MODES = (("speed", None), ("memory", None), ("chunked", None), ("split head (`vo
          ("DTensor head", "torch"), ("sequence parallel", "torch"), ("`torch.compile(fullgraph=True)`", "torch"),
          ("`jit`, rows sharded", "jax"), ("`jit`, head sharded on V", "jax"), ("`jit`, FSDP head", "jax"))
 SPLIT, SEQUENCE = MODES[3][0], MODES[5][0]
-GATHERED = "gathered"  # the cell works, on every device's whole operand
 
 _VP = "tests/test_vocab_parallel.py::"
 _MATCHES = "::test_matches_reference"
 _JAX_SPLIT = _VP + "test_jax_split_heads_and_sharded_operands_match_reference"
 
 
-def _row(strategies: str, split: str | None, compiled: str | None = None, jit: str | None = None,
-         jit_vocab: str | None = None, **more) -> dict:
+def _row(strategies: str, split: str | None, compiled: str | None = None, jit: str | None = None, **more) -> dict:
     """One (framework, loss)'s cells: the test of its three strategies (a file), of its split
-    head, of torch.compile, of jit (rows, vocabulary, FSDP; jit_vocab where the vocabulary's
-    differs), and `more` by column."""
+    head, of torch.compile, of jit (rows, vocabulary, FSDP), and `more` by column."""
     cells = {mode: f"tests/{strategies}{_MATCHES}" for mode in ("speed", "memory", "chunked")}
-    cells |= {SPLIT: split, MODES[6][0]: compiled, MODES[7][0]: jit, MODES[8][0]: jit_vocab or jit, MODES[9][0]: jit}
+    cells |= {SPLIT: split, MODES[6][0]: compiled, MODES[7][0]: jit, MODES[8][0]: jit, MODES[9][0]: jit}
     return {mode: test for mode, test in (cells | more).items() if test is not None}
 
 
@@ -41,7 +38,7 @@ _COMPILE = "tests/test_compile.py::"
 # the other losses' DTensor heads and sequence parallel
 _FORMS = {mode: _VP + "test_other_losses_with_dtensor_heads_and_sequence_parallel_match_reference"
           for mode in ("DTensor head", SEQUENCE)}
-# {(framework, loss): {column: the test (path::function) that checks it, or GATHERED}}
+# {(framework, loss): {column: the test (path::function) that checks it}}
 CELLS = {
     ("torch", "cross_entropy"): _row(
         "test_implementations.py", _VP + "test_vocab_parallel_matches_reference",
@@ -61,22 +58,20 @@ CELLS = {
     ("jax", "cross_entropy"): _row("test_implementations.py", _VP + "test_jax_vocab_parallel_in_shard_map_matches_reference",
                                    jit=_VP + "test_jax_jit_partitions_sharded_operands_instead_of_gathering"),
     ("jax", "topk"): _row("test_distillation.py", _JAX_SPLIT, jit=_JAX_SPLIT),
-    ("jax", "dense"): _row("test_distillation.py", _JAX_SPLIT, jit=_JAX_SPLIT, jit_vocab=GATHERED),
+    ("jax", "dense"): _row("test_distillation.py", _JAX_SPLIT, jit=_JAX_SPLIT),
     ("jax", "log_probs"): _row("test_log_probs.py", _JAX_SPLIT, jit=_JAX_SPLIT),
     ("jax", "policy"): _row("test_policy_loss.py", _JAX_SPLIT, jit=_JAX_SPLIT),
 }
 
 
 def capabilities_section() -> str:
-    """The caption and the table: "yes" where a test checks the cell, "gathered" where the
-    call runs on whole operands, "no" where it is refused, blank where the mode is the other
-    framework's."""
+    """The caption and the table: "yes" where a test checks the cell, "no" where it is
+    refused, blank where the mode is the other framework's."""
     head = ["", *(mode for mode, _ in MODES)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (framework, loss), cells in CELLS.items():
         name = f"{'PyTorch' if framework == 'torch' else 'JAX'} `{FUNCTIONS[loss]}`"
-        row = [cells[mode] if cells.get(mode) == GATHERED else "yes" if mode in cells
-               else "" if only not in (None, framework) else "no" for mode, only in MODES]
+        row = ["yes" if mode in cells else "" if only not in (None, framework) else "no" for mode, only in MODES]
         lines.append("| " + " | ".join([name, *row]) + " |")
     caption = ("Every loss in every execution mode (generated from `bench/capabilities.py`, which names the test of "
                "each cell; each checks it against the float64 reference on the CPU, on gloo ranks and fake JAX "

@@ -14,7 +14,8 @@ dimension never split), and the partitioner is told:
   the sums overlap its products. Where the head's classes are sharded over those axes
   (FSDP), those outputs are reduce-scattered to the head's sharding, never gathered.
 - classes: a head sharded on its vocabulary dimension over one mesh axis that the rows do
-  not use (and that divides V evenly) is split there, where the loss can split its head
+  not use (and that divides V evenly) is split there, with every operand of its classes
+  (factor "v"; a replicated one is sliced where it lies), where the loss can split its head
   (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
   combining per-row statistics over it, never logits; outputs with classes keep the head's
   sharding, the others are the same on every device of the axis.

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench.capabilities import CELLS, FUNCTIONS, GATHERED, SEQUENCE, SPLIT
+from bench.capabilities import CELLS, FUNCTIONS, SEQUENCE, SPLIT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,8 +21,6 @@ def _test_functions(path: str) -> set[str]:
 def test_every_cell_names_a_test_that_exists():
     for key, cells in CELLS.items():
         for mode, test in cells.items():
-            if test == GATHERED:
-                continue
             path, _, name = test.partition("::")
             assert name in _test_functions(path), (key, mode, test)
 
