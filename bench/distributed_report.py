@@ -14,7 +14,8 @@ with several, the split head's scaling over them):
   `bench.jax_mesh` on one GPU, with the head split over P devices (`--tp P`) and with the
   rows sharded over them (`--tp 1`);
 - `jax_mesh_losses.json`: `bench.jax_mesh --loss <loss>` records of every loss, on one GPU
-  and on P (rows sharded, or the head split).
+  and on P (rows sharded, the head split, or both sharded: FSDP), `run` naming the records
+  of one machine.
 """
 
 from __future__ import annotations
@@ -152,27 +153,40 @@ def _record_like(records: list, r: dict) -> dict | None:
     return next((b for b in records if b["shape"] == r["shape"] and b["method"] == r["method"]), None)
 
 
-def _jax_loss_rows(records: list, p: int) -> list[list[str]]:
-    """The other losses under jit, one row per loss and sharding: "speed" / "memory" ms on one
-    GPU and on p, the speed-ups, the temporaries per device."""
+def _jax_loss_rows(records: list, p: int, device: str) -> list[list[str]]:
+    """Every loss under jit, one row per loss: "speed" / "memory" ms on one GPU and on p (rows
+    sharded, the head split, both sharded: FSDP; one entry each), the speed-ups, the
+    temporaries per device. The one-GPU record is one of the same run (`run`: the same
+    machine; the one-GPU cell names the entries of each where they differ); a machine other than the section's `device`
+    is named in the row."""
     rows = []
-    for loss in ("topk", "dense", "log_probs", "policy"):
-        mine = [r for r in records if r["loss_name"] == loss]
-        for tp, what in ((1, f"rows sharded over {p} GPUs"), (p, f"head split over {p} GPUs")):
+    for loss in LOSS_NAMES:
+        mine, entries = [r for r in records if r["loss_name"] == loss], []
+        for tp, fsdp, what in ((1, False, "rows"), (p, False, "head"), (1, True, "FSDP")):
             pairs = []
             for method in ("ours-speed", "ours-memory"):
-                one = [r for r in mine if r["devices"] == 1 and r["method"] == method]
-                many = [r for r in mine if r["devices"] == p and r["tp"] == tp and r["method"] == method]
-                base = next((b for b in one if many and b["shape"] == many[0]["shape"]), None)
+                many = [r for r in mine if r["devices"] == p and r["tp"] == tp and r.get("fsdp", False) == fsdp
+                        and r["method"] == method]
+                base = next((b for b in mine if many and b["devices"] == 1 and b["method"] == method
+                             and b["shape"] == many[0]["shape"] and b.get("run") == many[0].get("run")), None)
                 if many and base:
                     pairs.append((base, many[0]))
-            if not pairs:
-                continue
-            both = lambda f: " / ".join(f(b, m) for b, m in pairs)
-            rows.append([f"JAX {pairs[0][1]['shape']}, {LOSS_NAMES[loss]}, {what}", "speed / memory",
-                         both(lambda b, m: f"{b['ms']:.1f}"), both(lambda b, m: f"{m['ms']:.1f}"),
-                         both(lambda b, m: f"{b['ms'] / m['ms']:.2f}x"), "-",
-                         both(lambda b, m: _gib(m["temp_bytes_per_device"] / 2**20)) + " (temporaries)"])
+            if pairs:
+                entries.append((what, pairs))
+        if not entries:
+            continue
+        cell = lambda f: "; ".join(f"{what} " + " / ".join(f(b, m) for b, m in pairs) for what, pairs in entries)
+        ones = {}  # the one-GPU time of each run, labelled by its entries where runs differ
+        for what, pairs in entries:
+            ones.setdefault(" / ".join(f"{b['ms']:.1f}" for b, _ in pairs), []).append(what)
+        one = "; ".join(f"{', '.join(whats)} {t}" if len(ones) > 1 else t for t, whats in ones.items())
+        last = entries[0][1][0][1]
+        kind = last.get("device_kind", device)
+        gpu = f" ({kind})" if kind != device else ""
+        rows.append([f"JAX {last['shape']}, {LOSS_NAMES[loss]}{gpu}", "speed / memory",
+                     one, cell(lambda b, m: f"{m['ms']:.1f}"),
+                     cell(lambda b, m: f"{b['ms'] / m['ms']:.2f}x"), "-",
+                     cell(lambda b, m: _gib(m["temp_bytes_per_device"] / 2**20)) + " (temporaries)"])
     return rows
 
 
@@ -237,7 +251,7 @@ def _table(folder: str, p: int, one: dict, split_head: bool) -> str:
         runs.append(_load(folder, name))
         rows += _jax_rows(jax_one, runs[-1], what, env["device"])
     losses = _load(folder, "jax_mesh_losses.json") or []
-    loss_rows = _jax_loss_rows(losses, p)
+    loss_rows = _jax_loss_rows(losses, p, env["device"])
     rows += loss_rows
     runs.append(losses if loss_rows else None)
     split = (f"Split head: fwd+bwd of the cross-entropy (or the loss named) with each GPU holding 1/{p} of the "
