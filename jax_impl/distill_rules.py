@@ -266,8 +266,9 @@ def topk_distillation(x_ND, W, b_V, teacher: TopKTeacher, y_N, valid_N, num_item
 class _DenseRule(engine.Rule):
     """Dense distillation's per-row math. A row block's operands: x, the teacher's xt, r (the
     rows' upstream weights); in the backward pass the coefficient r scale / T and what the
-    forward pass saved (lse_s, lse_t, kl_q) instead of r. axis: the shard_map axis over
-    which both heads are split alike (each device the same slice of classes of each)."""
+    forward pass saved (lse_s, lse_t, kl_q) instead of r. axis: the mesh axis (shard_map's,
+    or jit's vocabulary axis) over which both heads are split alike (each device the same
+    slice of classes of each)."""
 
     sweeps = 2
 
@@ -348,13 +349,13 @@ def _dense_backward(g_loss, x_ND, W, xt_ND, Wt, valid_N, num_items, saved, cfg: 
 
 def _dense_layout(cfg: DistillConfig, head: tuple, outputs: tuple, W, Wt) -> Layout:
     """The dense passes' operands after `head`: x, W, the teacher's xt and Wt ("e" its hidden
-    dimension), valid, num_items. A teacher of the student's classes has them split alike
-    with the student's head (factor "v": a replicated teacher is sliced where it lies);
-    one of other classes ("u") keeps both heads' classes on every device."""
-    alike = _vocab(W, cfg) == _vocab(Wt, cfg)
+    dimension, "u" its classes), valid, num_items. A teacher of the student's classes has them
+    split alike with the student's head (a replicated teacher is sliced where it lies); one of
+    other classes keeps both heads' classes on every device (`Layout.split_vocab`)."""
     w, wt = ("v d", "u e") if cfg.weight_layout == "VD" else ("d v", "e u")
-    operands = head + ("n d", w, "n e", wt.replace("u", "v") if alike else wt, "n", "")
-    return Layout(operands, tuple(w if o == "W" else o for o in outputs), split_vocab=alike)
+    operands = head + ("n d", w, "n e", wt, "n", "")
+    return Layout(operands, tuple(w if o == "W" else o for o in outputs),
+                  split_vocab=_vocab(W, cfg) == _vocab(Wt, cfg))
 
 
 def _dense_forward_pass(static, axes: Axes, x_ND, W, xt_ND, Wt, valid_N, num_items):

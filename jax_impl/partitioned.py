@@ -15,8 +15,8 @@ dimension never split), and the partitioner is told:
   (FSDP), those outputs are reduce-scattered to the head's sharding, never gathered.
 - classes: a head sharded on its vocabulary dimension over one mesh axis that the rows do
   not use (and that divides V evenly) is split there, with every operand of its classes
-  (factor "v"; a replicated one is sliced where it lies), where the loss can split its head
-  (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
+  ("v", or "u" for another head's; a replicated one is sliced where it lies), where the
+  loss can split its head (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
   combining per-row statistics over it, never logits; outputs with classes keep the head's
   sharding, the others are the same on every device of the axis.
 - anything else is gathered as XLA gathers a matrix product's operand: the hidden
@@ -65,10 +65,8 @@ class Axes:
         rounded, then all-gathered in its own dtype: the same numbers as an fp32
         all-reduce, with 3/4 of its traffic for a 16-bit result where the backend gathers
         in that dtype (a ring all-reduce is a reduce-scatter and an all-gather, both in
-        fp32; XLA's CPU backend gathers 16-bit slices as fp32); and XLA keeps such
-        collectives apart, where it would merge all-reduces of slabs formed one after the
-        other into one after the last (`jax_impl.head.Head.summed_row_shares`), for fp32
-        results too."""
+        fp32; XLA's CPU backend gathers 16-bit slices as fp32). Slabs formed one after the
+        other take `summed_slabs`."""
         wide, devices = compute_dtype(dtype), jax.lax.psum(1, self.rows)
         if self.classes_on_rows and classes is not None:
             return jax.lax.psum_scatter(g.astype(wide), self.rows, scatter_dimension=classes, tiled=True).astype(dtype)
@@ -83,8 +81,9 @@ class Axes:
         dimension other than `classes`), each slab reduce-scattered over its classes as soon
         as it is formed, so that its sum overlaps the next slab's product. The device's
         rounded slices are joined (the rounding writes them in place) and gathered once:
-        one all-gather, and no copy of the whole result to join gathered slabs. Where the
-        devices do not divide the classes, each slab is `summed` on its own."""
+        one all-gather, and no copy of the whole result to join gathered slabs. (Not one
+        all-reduce per slab: XLA merges those into one after the last slab, for fp32 results
+        too.) Where the devices do not divide the classes, each slab is `summed` on its own."""
         wide, devices, join = compute_dtype(dtype), jax.lax.psum(1, self.rows), 1 - classes
         if slabs[0].shape[classes] % devices:
             return jax.numpy.concatenate([self.summed(g, dtype, classes) for g in slabs], axis=join)
@@ -98,9 +97,11 @@ class Axes:
 class Layout:
     """Each operand's and output's dimensions as factors, e.g. ("n d", "v d", "v", "n") for
     x [N, D], W [V, D], b [V], y [N] and ("", "n d", "v d") for a reduced loss, dx and dW:
-    "n" the rows, "v" the classes, "" a scalar, other letters never split. An operand or
-    output that is None has the entry None. split_vocab: whether the pass can take a head
-    split over the vocabulary (else such a head is gathered)."""
+    "n" the rows, "v" the classes, "u" another head's classes (a dense teacher's), placed as
+    "v" is but a factor of its own for the partitioner's propagation (so that its sharding
+    never decides the student's outputs'), "" a scalar, other letters never split. An
+    operand or output that is None has the entry None. split_vocab: whether the pass can
+    take a head split over the vocabulary (else such a head is gathered, "u" too)."""
 
     operands: tuple
     outputs: tuple
@@ -222,7 +223,7 @@ def _spec(factors: str, axes: Axes, output: bool = False) -> P:
     rows are the device's and classes the gathered head's)."""
     rows = axes.rows if len(axes.rows) != 1 else axes.rows[0]
     by_class = output and axes.classes_on_rows and "n" not in factors.split()
-    place = {"n": rows or None, "v": rows if by_class else axes.vocab}
+    place = {"n": rows or None, "v": rows if by_class else axes.vocab, "u": axes.vocab}
     return P(*(place.get(f) for f in factors.split()))
 
 
@@ -250,7 +251,7 @@ def _rule(job: _Pass, *_):
     # FSDP head would have the partitioner shard them by class and move them twice
     specs, out_specs = ([" ".join("w" if f == "v" and "n" in s.split() else f for f in s.split()) for s in group]
                         for group in _factors(job.layout))
-    split = {"n", "v", "w"} if job.layout.split_vocab else {"n", "w"}
+    split = {"n", "v", "u", "w"} if job.layout.split_vocab else {"n", "w"}
     # in order of first appearance (the rule's factor indices must be sorted)
     kept = tuple(dict.fromkeys(f for s in specs + out_specs for f in s.split() if f not in split))
     return ", ".join(specs) + " -> " + ", ".join(out_specs), ({"need_replication_factors": tuple(kept)} if kept else {})

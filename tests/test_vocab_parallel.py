@@ -966,6 +966,17 @@ for key, kind, strategy, p, options, upstream in jax_split_cases(jit, strategies
         gathered += [(key, "head", line) for line in lines
                      if head == "tp" and mesh.shape["tp"] > 1 and f"[{w_shape}]" in line
                      and (kind != "dense" or classes(p.teacher[1]) == classes(p.W))]  # a teacher of other classes: gathered
+if jit and mesh.shape["tp"] > 1:  # a dense teacher sharded unlike the student's head: grad_weight as the head
+    rng = np.random.default_rng(5)
+    x, xt = (rng.standard_normal((8 * mesh.shape["dp"], d)).astype(np.float32) for d in (16, 12))
+    W, Wt = (rng.standard_normal((52, d)).astype(np.float32) for d in (16, 12))
+    grad_W = jax.jit(jax.grad(lambda *a: jax_impl.linear_distillation(*a, strategy="speed", tuning=SMALL), argnums=1))
+    on = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+    full = lambda spec: tuple(spec) + (None,) * (2 - len(tuple(spec)))
+    for w_spec, t_spec in ((("dp", None), ("tp", None)), (("tp", None), ("dp", None)), ((None, None), ("tp", None))):
+        spec = grad_W(on(x, "dp", None), on(W, *w_spec), on(xt, "dp", None), on(Wt, *t_spec)).sharding.spec
+        if full(spec) != w_spec:
+            gathered.append(("dense teacher", t_spec, "W", w_spec, "grad_weight", spec))
 np.savez(sys.argv[1], **{k: np.asarray(v) for k, v in out.items()})
 print("GATHERED", gathered)
 print("done" if not gathered else "gathered")
