@@ -180,10 +180,10 @@ def _jax_loss_rows(records: list, p: int, device: str) -> list[list[str]]:
         for what, pairs in entries:
             ones.setdefault(" / ".join(f"{b['ms']:.1f}" for b, _ in pairs), []).append(what)
         one = "; ".join(f"{', '.join(whats)} {t}" if len(ones) > 1 else t for t, whats in ones.items())
-        last = entries[0][1][0][1]
-        kind = last.get("device_kind", device)
+        first = entries[0][1][0][1]
+        kind = first.get("device_kind", device)
         gpu = f" ({kind})" if kind != device else ""
-        rows.append([f"JAX {last['shape']}, {LOSS_NAMES[loss]}{gpu}", "speed / memory",
+        rows.append([f"JAX {first['shape']}, {LOSS_NAMES[loss]}{gpu}", "speed / memory",
                      one, cell(lambda b, m: f"{m['ms']:.1f}"),
                      cell(lambda b, m: f"{b['ms'] / m['ms']:.2f}x"), "-",
                      cell(lambda b, m: _gib(m["temp_bytes_per_device"] / 2**20)) + " (temporaries)"])
