@@ -16,8 +16,8 @@ dimension never split), and the partitioner is told:
 - classes: a head sharded on its vocabulary dimension over one mesh axis that the rows do
   not use (and that divides V evenly) is split there, with every operand of its classes
   ("v", or "u" for another head's; a replicated one is sliced where it lies), where the
-  loss can split its head (`Layout.split_vocab`): the pass runs with that axis as its `vocab_parallel` axis,
-  combining per-row statistics over it, never logits; outputs with classes keep the head's
+  loss can split its head (`Layout.split_vocab`): the pass runs with that axis as its
+  `vocab_parallel` axis, combining per-row statistics over it, never logits; outputs with classes keep the head's
   sharding, the others are the same on every device of the axis.
 - anything else is gathered as XLA gathers a matrix product's operand: the hidden
   dimension, a head sharded over the rows' axes (FSDP), class weights. Activations never.
