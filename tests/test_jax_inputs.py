@@ -511,13 +511,16 @@ for objective in (log_probs, cross_entropy, topk_none):
     assert spent == []
     for name, xs, ws, local in (("rows", P("r", None), P(), (8, 24)),
                                 ("rows and vocabulary", P("r", None), P("c", None), (8, 12)),
-                                ("FSDP", P(("r", "c"), None), P(("r", "c"), None), (4, 24))):
+                                ("FSDP", P(("r", "c"), None), P(("r", "c"), None), (4, 24)),
+                                ("head over one of the rows' axes", P(("r", "c"), None), P("r", None), (4, 24)),
+                                ("head over more axes than the rows", P("r", None), P(("r", "c"), None), (8, 24))):
         spent.clear()
         args = jax.device_put(x, NamedSharding(mesh, xs)), jax.device_put(W, NamedSharding(mesh, ws)), SMALL
         got = grad(*args)
         assert local in spent, (objective.__name__, name, spent)  # (the body is traced at the whole shapes too)
-        # the logits stay where the forward pass left them (an FSDP head's classes are not theirs)
-        assert "all-to-all" not in grad.lower(*args).compile().as_text(), (objective.__name__, name)
+        # the logits stay where the forward pass left them (a gathered head's classes are not theirs)
+        text = grad.lower(*args).compile().as_text()
+        assert "all-to-all" not in text and "collective-permute" not in text, (objective.__name__, name)
         for a, b in zip(got, want):
             err = float(jnp.abs(a - b).max() / jnp.abs(b).max())
             assert err < 1e-6, (objective.__name__, name, err)
@@ -528,8 +531,9 @@ print("all equal")
 def test_jax_kept_logits_under_a_mesh():
     """On 4 CPU devices under jit, "speed"'s kept logits (log-probabilities; cross-entropy and
     top-K distillation per row) are each device's rows and classes: rows sharded, rows and
-    a head split over the vocabulary, and an FSDP-sharded head (its classes gathered): the
-    gradients of the recomputing backward pass, and no all-to-all moving the logits."""
+    a head split over the vocabulary, and a head the pass gathers (FSDP-sharded, or over one
+    of the rows' axes, or over more axes than the rows): the gradients of the recomputing
+    backward pass, and no all-to-all or collective-permute moving the logits."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                LOGITLESS_PALLAS_INTERPRET="1", PYTHONPATH=REPO)
     done = subprocess.run([sys.executable, "-c", KEPT_MESH_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,

@@ -3,18 +3,22 @@ NVIDIA H200, 2026-11-29; bench/results/jax_rows_sum.json, bench/NOTES.md "JAX un
 every loss on 2 GPUs"): the sum of each device's fp32 grad_weight partial as
 `partitioned.Axes.summed_slabs` does it ("new": slabs reduce-scattered, the device's slices
 joined, one all-gather), as it did before ("old": each slab reduce-scattered and gathered, the
-gathered slabs joined), and not at all ("nosum": wrong numbers, timing only); fwd+bwd ms over 5
+gathered slabs joined), and not at all ("nosum": wrong numbers, timing only); "sSpP": the new
+sum with S slabs of grad_weight and grad_input's product in P row pieces (so that the
+scheduler can overlap the last slab's reduce-scatter and the all-gather with a product each);
+fwd+bwd ms over 5
 interleaved rounds, temporaries per device; then an fp32 reduce-scatter and a bf16 all-gather of
 [V, D] alone. (The same day's slabs x grad_input pieces variants patched a constant since removed.)
 
 Run on 2 GPUs from the repository root:
   OUT=/tmp PYTHONPATH=. python bench/experiments/jax_rows_sum.py 16384x4096x128256,8192x2304x256000 new,old,nosum speed
+  OUT=/tmp PYTHONPATH=. python bench/experiments/jax_rows_sum.py 16384x4096x128256,8192x2304x256000 new,s4p1,s2p2,s4p2 speed
 """
 import os, sys, json, time, statistics
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_impl
-from jax_impl import partitioned
+from jax_impl import head, partitioned
 
 shapes = [tuple(int(s) for s in a.split("x")) for a in sys.argv[1].split(",")]
 variants = sys.argv[2].split(",")  # new, old, nosum
@@ -23,6 +27,18 @@ devs = jax.device_count()
 mesh = jax.make_mesh((devs,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
 put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
 orig, orig_slabs = partitioned.Axes.summed, partitioned.Axes.summed_slabs
+orig_shares, orig_count = head.Head.summed_row_shares, head.ROWS_SUM_SLABS
+
+
+def in_pieces(pieces):
+    """Head.summed_row_shares with grad_input's product in `pieces` row pieces."""
+    def shares(self, dz, x_R, dx_dtype):
+        edges = [dz.shape[0] * k // pieces for k in range(pieces + 1)]
+        W_c = self.head_cols(0, self.vocab)
+        dx = jnp.concatenate([self.grad_input_share(dz[a:e], W_c, dx_dtype) for a, e in zip(edges, edges[1:])])
+        dW, db, _ = orig_shares(self, dz, x_R, dx_dtype)  # its own whole product is dead code
+        return dW, db, dx
+    return shares
 out = {}
 for n, d, v in shapes:
     rng = np.random.default_rng(0)
@@ -33,7 +49,13 @@ for n, d, v in shapes:
     for var in variants:
         jax.clear_caches()
         partitioned.Axes.summed, partitioned.Axes.summed_slabs = orig, orig_slabs
-        if var == "nosum":
+        head.Head.summed_row_shares, head.ROWS_SUM_SLABS = orig_shares, orig_count
+        if var[0] == "s" and "p" in var:
+            slabs, pieces = (int(a) for a in var[1:].split("p"))
+            head.ROWS_SUM_SLABS = slabs
+            if pieces > 1:
+                head.Head.summed_row_shares = in_pieces(pieces)
+        elif var == "nosum":
             partitioned.Axes.summed = lambda self, g, dtype, classes=None: g.astype(dtype)
             partitioned.Axes.summed_slabs = lambda self, slabs, dtype, classes: jnp.concatenate([g.astype(dtype) for g in slabs], axis=1 - classes)
         elif var == "old":
@@ -44,6 +66,7 @@ for n, d, v in shapes:
         comp[var] = c
         print(f"compiled {var} in {time.perf_counter()-t0:.1f}s temp {c.memory_analysis().temp_size_in_bytes/1e9:.2f} GB", flush=True)
     partitioned.Axes.summed, partitioned.Axes.summed_slabs = orig, orig_slabs
+    head.Head.summed_row_shares, head.ROWS_SUM_SLABS = orig_shares, orig_count
     ref = comp[variants[0]](x, W, y)
     for var, c in comp.items():
         o = c(x, W, y)
