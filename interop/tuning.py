@@ -136,7 +136,8 @@ WHOLE_ROW_STATS_COLS, WHOLE_ROW_STATS_WARPS = 4096, 16
 # formed in this many slabs of the hidden dimension, each reduce-scattered over the devices
 # as soon as it is formed, so that its sum overlaps the next slab's product and no whole
 # fp32 partial is held. On 2 x H200 at L, 2 slabs hold 3.7 GB of temporaries per device
-# against 4.2 GB in one slab; 2, 4 and 8 slabs ran within run-to-run noise (bench/NOTES.md).
+# against 4.2 GB in one slab; 4 and 8 slabs ran 2.5 ms slower at L and 1-1.3 ms at G
+# (bench/NOTES.md).
 ROWS_SUM_SLABS = 2
 # JAX: the row kernels' launch parameters.
 JAX_ROW_KERNEL_PARAMS = dict(num_warps=8, num_stages=1)

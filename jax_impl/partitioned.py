@@ -250,9 +250,9 @@ def _rule(job: _Pass, *_):
     # kept logits ("n v") get a class factor of their own ("w"): tied to the head's, the
     # propagation would give them the head's classes' sharding wherever the head is sharded,
     # and a head the pass gathers (sharded over some of the rows' axes, or over more) would
-    # have them resharded twice. Left free, they leave a head split over the vocabulary replicated
-    # (an all-gather, then the backward pass's slice), which XLA's GPU pipeline removes
-    # (all-gather-dynamic-slice-simplifier); the CPU's keeps it.
+    # have them resharded twice. Left free, with the head split over the vocabulary, they come
+    # out replicated (an all-gather, then the backward pass's slice), which XLA's GPU pipeline
+    # removes (all-gather-dynamic-slice-simplifier); the CPU's keeps it.
     specs, out_specs = ([" ".join("w" if f == "v" and "n" in s.split() else f for f in s.split()) for s in group]
                         for group in _factors(job.layout))
     split = {"n", "v", "u", "w"} if job.layout.split_vocab else {"n", "w"}

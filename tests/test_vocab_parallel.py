@@ -1105,11 +1105,13 @@ def test_jax_split_head_with_rows_split_over_another_axis(tmp_path):
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
 
 
-@pytest.mark.parametrize("mode", ["shard_map", "jit"])
-@pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=MULTI_GPU), pytest.param("gpu 1,2", marks=MULTI_GPU),
-                                     pytest.param("4 gpus", marks=MULTI_GPU)])
+@pytest.mark.parametrize("devices, mode", [
+    ("cpu", "shard_map"), ("cpu", "jit"),
+    *(pytest.param(*case, marks=MULTI_GPU) for case in (("gpu", "shard_map"), ("gpu", "jit"), ("gpu 1,2", "jit"),
+                                                         ("4 gpus", "shard_map"), ("4 gpus", "jit")))])
 def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices, mode):
-    """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode), of 2 GPUs or of 4,
+    """On a (dp, tp) mesh of 4 CPU devices (the kernels in interpret mode), of 2 GPUs (1 x 2
+    inside shard_map; under jit 2 x 1, the rows split, and 1 x 2, the head split) or of 4,
     every test case and strategy of `linear_topk_distillation`, `linear_distillation` (both
     heads split alike; its teacher of the student's size), `linear_log_probs`
     (log-probabilities, entropy, argmax and both upstream gradients) and
@@ -1124,9 +1126,6 @@ def test_jax_split_heads_and_sharded_operands_match_reference(tmp_path, devices,
     from tests.distill_frameworks import errors
     from tests.distill_frameworks import reference as distill_reference
 
-    # 2 GPUs: shard_map on (1, 2); jit on (2, 1), the rows split, and on (1, 2), the head split
-    if devices == "gpu 1,2" and mode == "shard_map":
-        pytest.skip("shard_map's 2-GPU mesh is (1, 2) under the name gpu")
     mesh = "2,1" if devices == "gpu" and mode == "jit" else "1,2" if devices.startswith("gpu") else "2,2"
     # on the GPUs the kernels' strategies (the jax.numpy fallback's runs on the CPU devices)
     strategies = ("speed", "memory", "chunked") if devices == "cpu" else ("speed", "memory")
@@ -1427,9 +1426,11 @@ def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
 
 
 KEPT_SPLIT_SCRIPT = r"""
+import dataclasses
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_impl, jax_impl.engine as engine
+from interop.tuning import DEFAULT
 
 spent = []
 backward = engine.backward_kept
@@ -1443,17 +1444,20 @@ g_a, g_b = (jnp.asarray(rng.standard_normal(N), jnp.float32) for _ in range(2))
 ids = jnp.asarray(np.stack([rng.permutation(V)[:4] for _ in range(N)]), jnp.int32)
 teacher = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((N, 4)), jnp.float32))
 objectives = dict(
-    log_probs=lambda x, W: sum((o * g).sum() for o, g in zip(
-        jax_impl.linear_log_probs(x, W, y, return_entropy=True, strategy="speed"), (g_a, g_b))),
-    cross_entropy=lambda x, W: sum((o * g).sum() for o, g in zip(jax_impl.linear_cross_entropy(
-        x, W, y, reduction="none", return_lse=True, strategy="speed"), (g_a, g_b))),
-    topk=lambda x, W: (jax_impl.linear_topk_distillation(x, W, ids, teacher, reduction="none", strategy="speed") * g_a).sum())
+    log_probs=lambda x, W, t: sum((o * g).sum() for o, g in zip(
+        jax_impl.linear_log_probs(x, W, y, return_entropy=True, strategy="speed", tuning=t), (g_a, g_b))),
+    cross_entropy=lambda x, W, t: sum((o * g).sum() for o, g in zip(jax_impl.linear_cross_entropy(
+        x, W, y, reduction="none", return_lse=True, strategy="speed", tuning=t), (g_a, g_b))),
+    topk=lambda x, W, t: (jax_impl.linear_topk_distillation(x, W, ids, teacher, reduction="none", strategy="speed",
+                                                            tuning=t) * g_a).sum())
 mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("dp", "tp"))
 args = jax.device_put(x, NamedSharding(mesh, P("dp", None))), jax.device_put(W, NamedSharding(mesh, P("tp", None)))
 for name, objective in objectives.items():
-    grad = jax.jit(jax.grad(objective, (0, 1)))
-    want = jax.jit(jax.grad(objective, (0, 1)))(x, W)
+    grad = jax.jit(jax.grad(objective, (0, 1)), static_argnums=2)
     spent.clear()
+    want = grad(x, W, dataclasses.replace(DEFAULT, keep_logits_share=0.0))  # one device, the logits recomputed
+    assert spent == [], (name, spent)
+    args = (*args[:2], DEFAULT)
     got = grad(*args)
     assert (N, V // 2) in spent, (name, spent)
     text = grad.lower(*args).compile().as_text()
@@ -1473,7 +1477,8 @@ def test_jax_kept_logits_of_a_split_head_stay_split_on_gpus():
     each device's classes: the backward pass reads the device's [N, V/2], the compiled
     program gathers nothing (the sharding rule leaves the logits' classes a factor of their
     own, so propagation replicates them; XLA's GPU pipeline removes the resulting all-gather
-    and slice, which the CPU's keeps), and the gradients are one device's."""
+    and slice, which the CPU's keeps), and the gradients are one device's recomputing the
+    logits."""
     done = _jax_process(["-c", KEPT_SPLIT_SCRIPT], "gpu", timeout=600)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 

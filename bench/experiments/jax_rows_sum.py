@@ -8,11 +8,12 @@ sum with S slabs of grad_weight and grad_input's product in P row pieces (so tha
 scheduler can overlap the last slab's reduce-scatter and the all-gather with a product each);
 fwd+bwd ms over 5
 interleaved rounds, temporaries per device; then an fp32 reduce-scatter and a bf16 all-gather of
-[V, D] alone. (The same day's slabs x grad_input pieces variants patched a constant since removed.)
+[V, D] alone. (An earlier run's slabs x pieces variants used the per-slab gather and a constant
+since removed; their numbers are in the same file.)
 
 Run on 2 GPUs from the repository root:
   OUT=/tmp PYTHONPATH=. python bench/experiments/jax_rows_sum.py 16384x4096x128256,8192x2304x256000 new,old,nosum speed
-  OUT=/tmp PYTHONPATH=. python bench/experiments/jax_rows_sum.py 16384x4096x128256,8192x2304x256000 new,s4p1,s2p2,s4p2 speed
+  OUT=/tmp PYTHONPATH=. python bench/experiments/jax_rows_sum.py 16384x4096x128256,8192x2304x256000 new,s4p1,s8p1,s2p2,s4p2 speed
 """
 import os, sys, json, time, statistics
 import jax, jax.numpy as jnp, numpy as np
@@ -21,7 +22,7 @@ import jax_impl
 from jax_impl import head, partitioned
 
 shapes = [tuple(int(s) for s in a.split("x")) for a in sys.argv[1].split(",")]
-variants = sys.argv[2].split(",")  # new, old, nosum
+variants = sys.argv[2].split(",")  # new, old, nosum, sSpP
 strategy = sys.argv[3] if len(sys.argv) > 3 else "speed"
 devs = jax.device_count()
 mesh = jax.make_mesh((devs,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
