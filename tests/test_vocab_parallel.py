@@ -1394,6 +1394,17 @@ for V in (52, 51):  # 52 classes divide over 2 or 4 devices (scattered over them
         if V % P_ == 0 and (sum(f"[{V},{D}]" in r for r in gathered) != 1
                             or any(f"[{V},{D // ROWS_SUM_SLABS}]" in r for r in gathered)):
             bad.append((V, head_args[1].dtype, "one block: grad_weight not gathered once whole", gathered))
+    if V % P_ == 0:  # an FSDP head: each slab reduce-scattered to the head's classes, and kept there
+        fsdp = (args[0], jax.device_put(W, NamedSharding(mesh, P("dp", None))))
+        hlo = f.lower(*fsdp).compile().as_text().splitlines()
+        results = [re.split(r" reduce-scatter(-start)?\(", line)[0] for line in hlo if re.search(r" reduce-scatter(-start)?\(", line)]
+        gathered = [re.split(r" all-gather(-start)?\(", line)[0] for line in hlo if re.search(r" all-gather(-start)?\(", line)]
+        gW_f = f(*fsdp)
+        if (sum(f"f32[{V // P_},{D // ROWS_SUM_SLABS}]" in r for r in results) != ROWS_SUM_SLABS and not gpu
+                or sum(f"[{V},{D}]" in r for r in gathered) != 1  # the head's own gather only
+                or gW_f.sharding.spec not in (P("dp"), P("dp", None))
+                or not np.array_equal(np.asarray(gW_f, np.float32), np.asarray(f(*args), np.float32))):
+            bad.append((V, "one block, FSDP head: grad_weight", gW_f.sharding.spec, results, gathered))
 if gpu:  # per-device temporaries: a device's own problem's, plus no more than one fp32 [V, D] crossing
     N, D, V = 16384, 512, 32768  # a device's logits 4x its fp32 [V, D] partial, as at L
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
@@ -1419,7 +1430,8 @@ def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
     grad_weight and grad_bias (cross-entropy, log-probabilities, top-K distillation) are one
     device's within an ulp: the partials are summed in fp32 before any rounding. Where one
     block holds a device's rows, grad_weight is summed slab by slab as it is formed, never as
-    one fp32 partial, for a bf16 and an fp32 head; on GPUs the per-device temporaries stay within 1.1x one device's local
+    one fp32 partial, for a bf16 and an fp32 head, and for an FSDP head each slab is
+    reduce-scattered to its classes and never gathered; on GPUs the per-device temporaries stay within 1.1x one device's local
     problem's plus one fp32 [V, D]."""
     done = _jax_process(["-c", ROWS_SCRIPT], "cpu", timeout=900)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
