@@ -377,3 +377,26 @@ def materialised_policy(p, options: dict):
     valid = y != options.get("ignore_index", -100)
     logp = torch.where(valid, logp_all.gather(-1, torch.where(valid, y, 0)[..., None])[..., 0], 0.0)
     return [t for t in (x, W, b) if t is not None], u, logp, -(logp_all.exp() * logp_all).sum(-1), valid
+
+
+# The start of a script that checks logits kept between a jitted loss's passes under a mesh
+# (run in a process of its own, after a line setting N, D, V): `spent` collects the shapes
+# of the logits each backward pass reads; x [N, D], W [V, D] and y [N] (one ignored row) in
+# fp32, two upstream gradients g_a and g_b [N], top-K ids [N, 4] and the teacher's log-probs.
+KEPT_LOGITS_PRELUDE = r"""
+import dataclasses
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_impl, jax_impl.engine as engine
+
+spent = []
+backward = engine.backward_kept
+engine.backward_kept = lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k)
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+W = jnp.asarray(rng.standard_normal((V, D)) * 0.5, jnp.float32)
+y = jnp.asarray(rng.integers(0, V, N), jnp.int32).at[3].set(-100)
+g_a, g_b = (jnp.asarray(rng.standard_normal(N), jnp.float32) for _ in range(2))
+ids = jnp.asarray(np.stack([rng.permutation(V)[:4] for _ in range(N)]), jnp.int32)
+teacher = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((N, 4)), jnp.float32))
+"""

@@ -17,7 +17,7 @@ import pytest
 
 from interop.tuning import DEFAULT, Tuning
 from tests import distill_frameworks
-from tests.frameworks import JaxAdapter, make_problem, reference, rel_err, round_to, tolerance
+from tests.frameworks import KEPT_LOGITS_PRELUDE, JaxAdapter, make_problem, reference, rel_err, round_to, tolerance
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -469,39 +469,23 @@ def test_every_strategy_on_explicit_meshes_and_in_shard_map():
     assert done.returncode == 0 and "all equal" in done.stdout, done.stderr[-4000:]
 
 
-KEPT_MESH_SCRIPT = r'''
-import dataclasses
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import jax_impl, jax_impl.engine as engine
+KEPT_MESH_SCRIPT = "N, D, V = 16, 8, 24\n" + KEPT_LOGITS_PRELUDE + r'''
 from tests.frameworks import SMALL
 
-spent = []
-backward = engine.backward_kept
-engine.backward_kept = lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k)
 engine.free_bytes = lambda platform: 1 << 40
-rng = np.random.default_rng(0)
-N, D, V = 16, 8, 24
-x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
-W = jnp.asarray(rng.standard_normal((V, D)) * 0.5, jnp.float32)
-y = jnp.asarray(rng.integers(0, V, N), jnp.int32).at[3].set(-100)
-g_lp, g_h = (jnp.asarray(rng.standard_normal(N), jnp.float32) for _ in range(2))
 
 def log_probs(x, W, t):
     lp, H = jax_impl.linear_log_probs(x, W, y, return_entropy=True, softcap=3.0, strategy="speed", tuning=t)
-    return (lp * g_lp).sum() + (H * g_h).sum()
+    return (lp * g_a).sum() + (H * g_b).sum()
 
 def cross_entropy(x, W, t):
     loss, lse = jax_impl.linear_cross_entropy(x, W, y, reduction="none", return_lse=True, label_smoothing=0.1,
                                               strategy="speed", tuning=t)
-    return (loss * g_lp).sum() + (lse * g_h).sum()
-
-ids = jnp.asarray(np.stack([rng.permutation(V)[:4] for _ in range(N)]), jnp.int32)
-teacher = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((N, 4)), jnp.float32))
+    return (loss * g_a).sum() + (lse * g_b).sum()
 
 def topk_none(x, W, t):
     loss = jax_impl.linear_topk_distillation(x, W, ids, teacher, reduction="none", strategy="speed", tuning=t)
-    return (loss * g_lp).sum()
+    return (loss * g_a).sum()
 
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("r", "c"))
 for objective in (log_probs, cross_entropy, topk_none):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.distributed import NO_MULTICAST, leave
-from tests.frameworks import CASES, SMALL, TorchAdapter, make_problem, reference, rel_err, seed_of, tolerance, upstream_grads
+from tests.frameworks import CASES, KEPT_LOGITS_PRELUDE, SMALL, TorchAdapter, make_problem, reference, rel_err, seed_of, tolerance, upstream_grads
 
 # (world size, the ranks' class counts of a 53-class head, strategies, dtypes); 45 and 8 classes
 # alone would plan blocks of different rows (the ranks plan for the largest slice). With a
@@ -1437,24 +1437,9 @@ def test_jax_jit_rows_sharded_head_gradient_is_reduce_scattered(tmp_path):
     assert done.returncode == 0 and "done" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-KEPT_SPLIT_SCRIPT = r"""
-import dataclasses
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import jax_impl, jax_impl.engine as engine
+KEPT_SPLIT_SCRIPT = "N, D, V = 256, 64, 1024\n" + KEPT_LOGITS_PRELUDE + r"""
 from interop.tuning import DEFAULT
 
-spent = []
-backward = engine.backward_kept
-engine.backward_kept = lambda *a, **k: spent.append(a[3].shape) or backward(*a, **k)
-rng = np.random.default_rng(0)
-N, D, V = 256, 64, 1024
-x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
-W = jnp.asarray(rng.standard_normal((V, D)) * 0.5, jnp.float32)
-y = jnp.asarray(rng.integers(0, V, N), jnp.int32).at[3].set(-100)
-g_a, g_b = (jnp.asarray(rng.standard_normal(N), jnp.float32) for _ in range(2))
-ids = jnp.asarray(np.stack([rng.permutation(V)[:4] for _ in range(N)]), jnp.int32)
-teacher = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((N, 4)), jnp.float32))
 objectives = dict(
     log_probs=lambda x, W, t: sum((o * g).sum() for o, g in zip(
         jax_impl.linear_log_probs(x, W, y, return_entropy=True, strategy="speed", tuning=t), (g_a, g_b))),
