@@ -105,13 +105,15 @@ class Head:
         (`interop.tuning.ROWS_SUM_SLABS`), each reduce-scattered over the devices in fp32 as
         soon as it is formed, then rounded to W's dtype and gathered once
         (`partitioned.Axes.summed_slabs`), so that one slab's sum overlaps the next slab's
-        product (the last one's, grad_input's) and no whole fp32 partial is held; grad_bias
-        summed whole. (Slabs all-reduced instead would be combined by XLA into one
-        all-reduce of the whole partial.) A head whose classes are split as the rows (FSDP)
-        is gathered for this pass: grad_input's product, its last use, runs before the
-        slabs', so that the gathered head is freed before they are formed (XLA would
-        otherwise hold it under the last slab's sum: at L on 2 GPUs 5.78 GB of temporaries
-        a device against 4.76, in the same time, bench/NOTES.md)."""
+        product (the last one's, grad_input's, except under an FSDP head: below) and no whole
+        fp32 partial is held; grad_bias summed whole. (Slabs all-reduced instead would be
+        combined by XLA into one all-reduce of the whole partial.) A head whose classes are
+        split as the rows (FSDP) is gathered for this pass, and grad_input's product is the
+        gathered head's last use: it runs before the slabs' products, so that the gathered
+        head is freed before they are formed, where XLA would otherwise keep it beside them
+        to overlap the last slab's sum with grad_input's product. An FSDP head's grad_weight
+        shard is too small to hold a slab, so without this the head, both fp32 slabs and a
+        summed slice would be held at once."""
         dx_R = self.grad_input_share(dz, self.head_cols(0, self.vocab), dx_dtype)
         if self.split_rows.classes_on_rows:
             dz, dx_R = jax.lax.optimization_barrier((dz, dx_R))

@@ -1,6 +1,6 @@
 """One row block's grad_weight update of PyTorch "speed", acc += dz^T x with 16-bit dz, x and an
 fp32 acc, through cuBLAS in the layouts and libraries a caller can reach: the accumulator [V, D]
-(dz^T x, today's, in two slabs or one) or [D, V] (x^T dz), torch's default BLAS path or cuBLASLt
+(dz^T x, the library's, in two slabs or one) or [D, V] (x^T dz), torch's default BLAS path or cuBLASLt
 (`torch.backends.cuda.preferred_blas_library`), and XLA's product (which autotunes its cuBLAS
 algorithm) in the same process; beside them the same product into a 16-bit acc and into an
 fp32 acc not read (beta 0). Then the whole "speed" call at G and L under each torch BLAS path.
@@ -45,7 +45,7 @@ def torch_variants(R, D, V):
         return f
 
     return {
-        "VD fp32, 2 slabs (today)": slabs(1.0),
+        "VD fp32, 2 slabs (the library's)": slabs(1.0),
         "VD fp32, 2 slabs, beta 0": slabs(0.0),
         "VD fp32, 1 slab": lambda: torch.addmm(vd, dz.T, x, out_dtype=torch.float32, out=vd),
         "DV fp32 (x^T dz)": lambda: torch.addmm(dv, x.T, dz, out_dtype=torch.float32, out=dv),
