@@ -8,25 +8,19 @@ fp32 acc not read (beta 0). Then the whole "speed" call at G and L under each to
 Run on a GPU from the repository root:
   OUT=/tmp PYTHONPATH=. python bench/experiments/weight_grad_products.py
 """
-import json, os, statistics, time
+import json, os, statistics
 import torch
+from bench import measure
 
 dev = torch.device("cuda")
 SHAPES = {"G": (2048, 2304, 256000), "L": (4096, 4096, 128256)}  # one block's rows R, D, V
 REPEAT = 20
 
 
-def time_ms(fn, repeat=REPEAT):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+def time_ms(fn, repeat=REPEAT, events=True):
+    """`bench.measure.time_ms`: 3 warm-up runs, the median of `repeat` (CUDA events, or the
+    host clock for JAX's calls, which block until their result is ready)."""
+    return measure.time_ms(fn, dev, warmup=3, repeat=repeat, events=events)
 
 
 def torch_variants(R, D, V):
@@ -67,20 +61,17 @@ def jax_variants(dz_t, x_t):
                                                                   preferred_element_type=jnp.float32), donate_argnums=0)
     out = {}
     for name, f, shape in (("XLA VD fp32", f_vd, (V, D)), ("XLA DV fp32", f_dv, (D, V))):
-        acc = jnp.zeros(shape, jnp.float32)
-        for _ in range(3):
-            acc = f(acc, dz, x)
-        acc.block_until_ready()
-        ts = []
-        for _ in range(REPEAT):
-            t0 = time.perf_counter(); acc = f(acc, dz, x); acc.block_until_ready(); ts.append((time.perf_counter() - t0) * 1e3)
-        out[name] = statistics.median(ts)
-        del acc
+        acc = [jnp.zeros(shape, jnp.float32)]
+
+        def step():
+            acc[0] = f(acc[0], dz, x)
+            acc[0].block_until_ready()
+        out[name] = time_ms(step, events=False)
+        del acc[0]
     return out
 
 
 def whole_call(name):
-    from bench import measure
     import torch_impl
     n, d, v = {"G": (8192, 2304, 256000), "L": (16384, 4096, 128256)}[name]
     x, W, y = measure.make_inputs(n, d, v, torch.bfloat16, dev)
