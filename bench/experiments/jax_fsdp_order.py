@@ -50,7 +50,13 @@ ORDERS = {"library": LIBRARY, "free": reordered("free"), "between": reordered("b
 
 
 def compiled(order, *args):
-    H.Head.summed_row_shares = ORDERS[order]
+    return compiled_with(ORDERS[order], *args)
+
+
+def compiled_with(summed_row_shares, *args):
+    """The compiled fwd+bwd of cross-entropy "speed" on args with Head.summed_row_shares
+    replaced by the given function."""
+    H.Head.summed_row_shares = summed_row_shares
     try:
         f = jax.jit(jax.value_and_grad(lambda x, W, y: jax_impl.linear_cross_entropy(x, W, y, strategy="speed"),
                                        argnums=(0, 1)))
@@ -59,18 +65,25 @@ def compiled(order, *args):
         H.Head.summed_row_shares = LIBRARY
 
 
+def inputs(shape: str, fsdp: bool = True):
+    """(n, d, v), the whole bf16 (x, W, y) of an NxDxV shape (a tenth of the targets ignored),
+    and the same put on a mesh of every local device: the rows over "dp", W's classes over
+    "dp" too (FSDP) or replicated."""
+    n, d, v = (int(s) for s in shape.split("x"))
+    mesh = jax.make_mesh((jax.device_count(),), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    W = jnp.asarray(rng.standard_normal((v, d)) * d**-0.5, jnp.bfloat16)
+    y = jnp.asarray(np.where(rng.random(n) < 0.1, -100, rng.integers(0, v, n)), jnp.int32)
+    return (n, d, v), (x, W, y), (put(x, P("dp", None)), put(W, P("dp", None) if fsdp else P()), put(y, P("dp")))
+
+
 def main(mode, shapes):
     devices = jax.device_count()
-    mesh = jax.make_mesh((devices,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
     res = {"device": jax.devices()[0].device_kind, "devices": devices, "jax": jax.__version__, "mode": mode}
     for shape in shapes.split(","):
-        n, d, v = (int(s) for s in shape.split("x"))
-        rng = np.random.default_rng(0)
-        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-        x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
-        W = jnp.asarray(rng.standard_normal((v, d)) * d**-0.5, jnp.bfloat16)
-        y = jnp.asarray(np.where(rng.random(n) < 0.1, -100, rng.integers(0, v, n)), jnp.int32)
-        args = put(x, P("dp", None)), put(W, P("dp", None)), put(y, P("dp"))
+        (n, d, v), (x, W, y), args = inputs(shape)
         fns = {order: compiled(order, *args) for order in ORDERS}
         temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in fns.items()}
         if mode == "bound":
