@@ -10,7 +10,8 @@ rounded and all-gathered (beside grad_input's product). "ringv": the same over c
 the classes (dz's column slices; what an FSDP head, whose classes the devices hold, needs:
 its chunk is then kept, not gathered). "ringp": "ring" with the rounded chunks passed round
 the ring by collective-permutes in place of the all-gather. "after": the library's slabs with
-grad_input's product after the sum. (2 x NVIDIA H200, 2026-11-30; bench/NOTES.md has the
+grad_input's product after the sum. "firstS": grad_input's product first, then S slabs, each
+summed on its own (`first`). (2 x NVIDIA H200, 2026-11-30; bench/NOTES.md has the
 entry, bench/results/jax_rows_ring.json the numbers, jax_rows_traces.txt the kernels.)
 
   SHAPES HEAD [schedule|trace]: HEAD "replicated" or "fsdp"; per variant fwd+bwd ms (4
@@ -83,8 +84,25 @@ def after(self, dz, x_R, dx_dtype):
     return dW, db, self.grad_input_share(dz, self.head_cols(0, self.vocab), dx_dtype)
 
 
+def first(slabs):
+    """Head.summed_row_shares with grad_input's product first (an optimization barrier) and
+    grad_weight in `slabs` slabs of the hidden dimension, each reduce-scattered, rounded
+    and all-gathered on its own (`Axes.summed`), the slabs then joined: every collective
+    but the last slab's can run beside a grad_weight product, none beside grad_input's."""
+    def summed_row_shares(self, dz, x_R, dx_dtype):
+        dx_R = self.grad_input_share(dz, self.head_cols(0, self.vocab), dx_dtype)
+        dz, dx_R = jax.lax.optimization_barrier((dz, dx_R))
+        wide, hidden, classes = H._wide(dz), x_R.shape[1], 0 if self.vd else 1
+        edges = [hidden * k // slabs for k in range(slabs + 1)]
+        dW = jnp.concatenate([self.split_rows.summed(self.grad_weight_share(dz, x_R[:, a:e], wide), self.W.dtype, classes)
+                              for a, e in zip(edges, edges[1:])], axis=1 - classes)
+        db = None if self.b is None else self.split_rows.summed(dz.astype(wide).sum(0), self.b.dtype, 0)
+        return dW, db, dx_R
+    return summed_row_shares
+
+
 VARIANTS = {"library": LIBRARY, "ring": ring(False), "ringv": ring(True), "after": after,
-            "ringp": ring(False, passed=True)}
+            "ringp": ring(False, passed=True), "first2": first(2), "first4": first(4), "first8": first(8)}
 
 
 def compiled(variant, *args):
