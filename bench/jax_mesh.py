@@ -3,7 +3,8 @@
 The mesh is (dp, tp) = (devices / tp, tp): the rows are sharded over "dp", the head over its
 vocabulary on "tp" (`--tp 1`: rows only, the head replicated; `--fsdp`: the head sharded
 over "dp" instead, gathered as for a matrix product). The same jitted call as on one
-device; `jax_impl.partitioned` splits the work. Per shape and method: fwd+bwd ms (median),
+device; `jax_impl.partitioned` splits the work. Per shape and method: fwd+bwd ms (median
+of single calls, and per call of calls dispatched back to back, `ms_back_to_back`),
 the compiled program's temporaries per device (XLA's memory analysis), and the loss (the
 same for every method). "naive" materialises the logits (XLA partitions it itself;
 cross-entropy only). `--loss` picks the loss: cross-entropy (default), top-K distillation
@@ -70,6 +71,19 @@ def _loss(method: str, loss: str):
             lambda rng, n, d, v, dtype: ((jnp.asarray(rng.standard_normal(n), jnp.float32),), ()))
 
 
+def _back_to_back_ms(step, args, repeat: int, calls: int = 10) -> float:
+    """Median ms per call of `calls` calls dispatched back to back and waited for once, over
+    max(repeat // 2, 1) such batches: each device's time per step as a training loop's
+    asynchronous dispatch sees it. Lone calls of a program on several GPUs spread widely
+    (bimodal on 2 GPUs, bench/NOTES.md); these spread far less."""
+    batches = []
+    for _ in range(max(repeat // 2, 1)):
+        start = time.perf_counter()
+        jax.block_until_ready([step(*args) for _ in range(calls)])
+        batches.append((time.perf_counter() - start) * 1e3 / calls)
+    return statistics.median(batches)
+
+
 def run(shapes, methods, dtype: str, tp: int, fsdp: bool, repeat: int, loss_name: str = "cross_entropy") -> list[dict]:
     devices = jax.device_count()
     mesh = jax.make_mesh((devices // tp, tp), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -96,7 +110,8 @@ def run(shapes, methods, dtype: str, tp: int, fsdp: bool, repeat: int, loss_name
                 times.append((time.perf_counter() - start) * 1e3)
             records.append(dict(
                 shape=f"{n}x{d}x{v}", loss_name=loss_name, method=method, dtype=dtype, devices=devices, tp=tp, fsdp=fsdp,
-                ms=statistics.median(times[2:]), temp_bytes_per_device=compiled.memory_analysis().temp_size_in_bytes,
+                ms=statistics.median(times[2:]), ms_back_to_back=_back_to_back_ms(step, args, repeat),
+                temp_bytes_per_device=compiled.memory_analysis().temp_size_in_bytes,
                 loss=float(loss), device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
                 date=datetime.date.today().isoformat()))
             print(json.dumps(records[-1]), flush=True)

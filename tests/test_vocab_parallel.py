@@ -1532,5 +1532,6 @@ def test_jax_mesh_benchmark_runs_on_cpu_devices(tmp_path, tp, fsdp):
     assert done.returncode == 0, done.stderr[-3000:]
     records = {r["method"]: r for r in json.loads(out.read_text())}
     assert set(records) == {"ours-speed", "ours-memory", "naive"} and all(r["devices"] == 4 for r in records.values())
+    assert all(r["ms"] > 0 and r["ms_back_to_back"] > 0 for r in records.values())
     losses = [r["loss"] for r in records.values()]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
