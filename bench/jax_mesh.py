@@ -71,17 +71,20 @@ def _loss(method: str, loss: str):
             lambda rng, n, d, v, dtype: ((jnp.asarray(rng.standard_normal(n), jnp.float32),), ()))
 
 
-def _back_to_back_ms(step, args, repeat: int, calls: int = 10) -> float:
-    """Median ms per call of `calls` calls dispatched back to back and waited for once, over
-    max(repeat // 2, 1) such batches: each device's time per step as a training loop's
-    asynchronous dispatch sees it. Lone calls of a program on several GPUs spread widely
-    (bimodal on 2 GPUs, bench/NOTES.md); these spread far less."""
-    batches = []
-    for _ in range(max(repeat // 2, 1)):
+def back_to_back_ms(step, args, batches: int, calls: int = 10) -> list[float]:
+    """ms per call of `calls` calls of step(*args) dispatched back to back, waited for once
+    (on its last result: a device runs its programs in order), for each of `batches`
+    batches: each device's time per step as a training loop's asynchronous dispatch sees
+    it. Lone calls of a program on several GPUs spread widely (bimodal on 2 GPUs,
+    bench/NOTES.md); these spread far less."""
+    times = []
+    for _ in range(batches):
         start = time.perf_counter()
-        jax.block_until_ready([step(*args) for _ in range(calls)])
-        batches.append((time.perf_counter() - start) * 1e3 / calls)
-    return statistics.median(batches)
+        for _ in range(calls - 1):
+            step(*args)
+        jax.block_until_ready(step(*args))
+        times.append((time.perf_counter() - start) * 1e3 / calls)
+    return times
 
 
 def run(shapes, methods, dtype: str, tp: int, fsdp: bool, repeat: int, loss_name: str = "cross_entropy") -> list[dict]:
@@ -110,7 +113,7 @@ def run(shapes, methods, dtype: str, tp: int, fsdp: bool, repeat: int, loss_name
                 times.append((time.perf_counter() - start) * 1e3)
             records.append(dict(
                 shape=f"{n}x{d}x{v}", loss_name=loss_name, method=method, dtype=dtype, devices=devices, tp=tp, fsdp=fsdp,
-                ms=statistics.median(times[2:]), ms_back_to_back=_back_to_back_ms(step, args, repeat),
+                ms=statistics.median(times[2:]), ms_back_to_back=statistics.median(back_to_back_ms(step, args, max(repeat // 2, 3))),
                 temp_bytes_per_device=compiled.memory_analysis().temp_size_in_bytes,
                 loss=float(loss), device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
                 date=datetime.date.today().isoformat()))

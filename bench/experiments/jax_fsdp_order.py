@@ -8,6 +8,7 @@ bench/results/jax_mesh_2gpu_fsdp_order.json the numbers.)
 
   variants SHAPES: per order, fwd+bwd ms (4 interleaved rounds of 5, medians; wall time of
     the jitted call), temporaries per device, results bit-equal to the library order's.
+    ("after", grad_input's product after the sum, is `jax_rows_ring.py`'s variant.)
   bound SHAPES: per order, temporaries per device against 1.1x one device's local problem's
     (N / P rows, the whole head) plus the gathered bf16 head and one fp32 [V, D] partial.
 
@@ -25,8 +26,9 @@ LIBRARY = H.Head.summed_row_shares
 
 
 def reordered(order):
-    """Head.summed_row_shares with grad_input's product unordered ("free") or between the
-    first slab and the others ("between")."""
+    """Head.summed_row_shares with grad_input's product unordered ("free"), between the
+    first slab and the others ("between"), or after grad_weight's sum ("after": no
+    collective of the sum can run beside it)."""
     def summed_row_shares(self, dz, x_R, dx_dtype):
         wide, hidden = H._wide(dz), x_R.shape[1]
         edges = [hidden * k // ROWS_SUM_SLABS for k in range(ROWS_SUM_SLABS + 1)]
@@ -37,11 +39,14 @@ def reordered(order):
             dz, parts[0] = jax.lax.optimization_barrier((dz, parts[0]))
             dx_R = dx(dz)
             dz, dx_R = jax.lax.optimization_barrier((dz, dx_R))
-        else:
+        elif order == "free":
             dx_R = dx(dz)
         parts += [self.grad_weight_share(dz, x_R[:, a:e], wide) for a, e in zip(edges[len(parts):], edges[len(parts) + 1:])]
         dW = self.split_rows.summed_slabs(parts, self.W.dtype, 0 if self.vd else 1)
         db = None if self.b is None else self.split_rows.summed(dz.astype(wide).sum(0), self.b.dtype, 0)
+        if order == "after":
+            dz, dW = jax.lax.optimization_barrier((dz, dW))
+            dx_R = dx(dz)
         return dW, db, dx_R
     return summed_row_shares
 
@@ -63,6 +68,23 @@ def compiled_with(summed_row_shares, *args):
         return f.lower(*args).compile()
     finally:
         H.Head.summed_row_shares = LIBRARY
+
+
+def call_ms(c, args, calls: int = 5, warmup: int = 2) -> list[float]:
+    """ms of each of `calls` lone calls of c(*args), each waited for, after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(c(*args))
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        jax.block_until_ready(c(*args))
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def bit_equal(a, b) -> bool:
+    """Whether two pytrees of arrays are equal bit for bit."""
+    return all(bool(jnp.array_equal(p, q)) for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def inputs(shape: str, fsdp: bool = True):
@@ -97,16 +119,9 @@ def main(mode, shapes):
             times = {k: [] for k in fns}
             for _ in range(4):
                 for k, c in fns.items():
-                    for _ in range(2):
-                        jax.block_until_ready(c(*args))
-                    for _ in range(5):
-                        t = time.perf_counter()
-                        jax.block_until_ready(c(*args))
-                        times[k].append((time.perf_counter() - t) * 1e3)
+                    times[k] += call_ms(c, args)
             res[shape] = {k: {"ms": round(statistics.median(times[k]), 2), "ms_rounds": [round(t, 2) for t in times[k]],
-                              "temp_GB": round(temps[k] / 1e9, 3),
-                              "bit_equal": all(bool(jnp.array_equal(a, b)) for a, b in
-                                               zip(jax.tree.leaves(out["library"]), jax.tree.leaves(out[k])))}
+                              "temp_GB": round(temps[k] / 1e9, 3), "bit_equal": bit_equal(out["library"], out[k])}
                           for k in fns}
         print(shape, json.dumps(res[shape]), flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), f"jax_fsdp_order_{mode}.json"), "w") as fh:

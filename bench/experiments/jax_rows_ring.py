@@ -5,28 +5,37 @@ reduce-scattered as it is formed, one all-gather).
 
 "ring": P steps; at step k a device forms the partial of one of P chunks of the hidden
 dimension, adds the running sum it received and sends it on (a collective-permute), so
-that each send overlaps the next chunk's product; the last chunk is the device's own, then
-rounded and all-gathered (beside grad_input's product). "ringv": the same over chunks of
-the classes (dz's column slices; what an FSDP head, whose classes the devices hold, needs:
-its chunk is then kept, not gathered). "ringp": "ring" with the rounded chunks passed round
-the ring by collective-permutes in place of the all-gather. "after": the library's slabs with
-grad_input's product after the sum. "firstS": grad_input's product first, then S slabs, each
-summed on its own (`first`). (2 x NVIDIA H200, 2026-11-30; bench/NOTES.md has the
-entry, bench/results/jax_rows_ring.json the numbers, jax_rows_traces.txt the kernels.)
+that each send can overlap the next chunk's product; the last chunk is the device's own,
+then rounded and all-gathered (beside grad_input's product). Under an FSDP head "ring" runs
+as "ringv". "ringv": the same over chunks of the classes (dz's column slices; what an FSDP
+head, whose classes the devices hold, needs: its chunk is then kept, not gathered).
+"ringp": "ring" with the rounded chunks passed round the ring by collective-permutes in
+place of the all-gather, written into a zero-filled result. "after": the library's slabs
+with grad_input's product after the sum (`jax_fsdp_order.reordered`). "firstS":
+grad_input's product first, then S slabs, each summed on its own (`first`). (2 x NVIDIA
+H200, 2026-11-30; bench/NOTES.md has the entry, bench/results/jax_rows_ring.json the
+numbers, jax_rows_traces.txt the kernels.)
 
-  SHAPES HEAD [schedule|trace]: HEAD "replicated" or "fsdp"; per variant fwd+bwd ms (4
-    interleaved rounds of 5, medians; `timed`: single calls and calls dispatched back to back), temporaries per
-    device, results bit-equal to the library's; and the same call on one device (device 0,
-    the whole head) for the ratio 2-device / (one / P).
+  SHAPES HEAD [time|schedule|trace]: HEAD "replicated" or "fsdp".
+  time (the default): per variant fwd+bwd ms (`timed`: lone calls, and calls dispatched
+    back to back, "pipelined"; 4 interleaved rounds, medians), temporaries per device,
+    results bit-equal to the library's, and the same call on one device (device 0, the
+    whole head) for the ratio 2-device / (one / P): $OUT/jax_rows_ring_HEAD.json.
+  schedule: each variant's scheduled entry computation (its products, kernels and
+    collectives in order): $OUT/schedule_HEAD_SHAPE_VARIANT.txt.
+  trace: each variant's and the one-device call's GPU kernels from JAX's profiler
+    (`trace`): $OUT/trace_HEAD_SHAPE.txt.
 
-VARIANTS=library,after (an environment variable; "library" first) picks the variants.
+VARIANTS=library,after (an environment variable) picks the variants; "library", the
+reference of the bit-equality, comes first. The default is every variant of VARIANTS.
 
 Run on GPUs from the repository root:
-  OUT=/tmp PYTHONPATH=. python bench/experiments/jax_rows_ring.py 16384x4096x128256,8192x2304x256000 replicated
+  OUT=/tmp PYTHONPATH=. [VARIANTS=...] python bench/experiments/jax_rows_ring.py 16384x4096x128256,8192x2304x256000 {replicated,fsdp} [schedule|trace]
 """
-import json, os, statistics, sys, time
+import json, os, statistics, sys
 import jax, jax.numpy as jnp
-from bench.experiments.jax_fsdp_order import compiled_with, inputs
+from bench.experiments.jax_fsdp_order import bit_equal, call_ms, compiled_with, inputs, reordered
+from bench.jax_mesh import back_to_back_ms
 from jax_impl import head as H
 
 LIBRARY = H.Head.summed_row_shares
@@ -58,37 +67,27 @@ def ring(on_classes, passed=False):
             if k < devices - 1:
                 acc = jax.lax.ppermute(acc, axes, perm)
         mine = acc.astype(self.W.dtype)
-        if passed and not self.split_rows.classes_on_rows:
+        if self.split_rows.classes_on_rows:
+            dW = mine
+        elif passed:  # a zero-filled result, each chunk written into place as it arrives
             dW = jnp.zeros(self.W.shape, self.W.dtype)
             for k in range(devices):
                 dW = jax.lax.dynamic_update_slice_in_dim(dW, mine, ((me + devices - k) % devices) * size, axis=split)
                 if k < devices - 1:
                     mine = jax.lax.ppermute(mine, axes, perm)
-            db = None if self.b is None else self.split_rows.summed(dz.astype(jnp.float32).sum(0), self.b.dtype, 0)
-            return dW, db, dx_R
-        dW = mine if self.split_rows.classes_on_rows else jax.lax.all_gather(mine, axes, axis=split, tiled=True)
+        else:
+            dW = jax.lax.all_gather(mine, axes, axis=split, tiled=True)
         db = None if self.b is None else self.split_rows.summed(dz.astype(jnp.float32).sum(0), self.b.dtype, 0)
         return dW, db, dx_R
     return summed_row_shares
 
 
-def after(self, dz, x_R, dx_dtype):
-    """Head.summed_row_shares with grad_input's product after grad_weight's sum (an
-    optimization barrier), so that no collective runs beside it."""
-    wide, hidden = H._wide(dz), x_R.shape[1]
-    edges = [hidden * k // H.ROWS_SUM_SLABS for k in range(H.ROWS_SUM_SLABS + 1)]
-    dW = self.split_rows.summed_slabs([self.grad_weight_share(dz, x_R[:, a:e], wide) for a, e in zip(edges, edges[1:])],
-                                      self.W.dtype, 0 if self.vd else 1)
-    db = None if self.b is None else self.split_rows.summed(dz.astype(wide).sum(0), self.b.dtype, 0)
-    dz, dW = jax.lax.optimization_barrier((dz, dW))
-    return dW, db, self.grad_input_share(dz, self.head_cols(0, self.vocab), dx_dtype)
-
-
 def first(slabs):
     """Head.summed_row_shares with grad_input's product first (an optimization barrier) and
     grad_weight in `slabs` slabs of the hidden dimension, each reduce-scattered, rounded
-    and all-gathered on its own (`Axes.summed`), the slabs then joined: every collective
-    but the last slab's can run beside a grad_weight product, none beside grad_input's."""
+    and (a replicated head's) all-gathered on its own (`Axes.summed`), the slabs then
+    joined: every collective but the last slab's can run beside a grad_weight product, none
+    beside grad_input's. Under an FSDP head it is the library's order in `slabs` slabs."""
     def summed_row_shares(self, dz, x_R, dx_dtype):
         dx_R = self.grad_input_share(dz, self.head_cols(0, self.vocab), dx_dtype)
         dz, dx_R = jax.lax.optimization_barrier((dz, dx_R))
@@ -101,7 +100,7 @@ def first(slabs):
     return summed_row_shares
 
 
-VARIANTS = {"library": LIBRARY, "ring": ring(False), "ringv": ring(True), "after": after,
+VARIANTS = {"library": LIBRARY, "ring": ring(False), "ringv": ring(True), "after": reordered("after"),
             "ringp": ring(False, passed=True), "first2": first(2), "first4": first(4), "first8": first(8)}
 
 
@@ -110,26 +109,14 @@ def compiled(variant, *args):
 
 
 def timed(fns, args, rounds=4):
-    """Per variant: the wall time of single calls, each waited for ("call"), and of 10 calls
-    dispatched back to back, waited for once, per call ("pipelined": the device time of a
-    step as a training loop's asynchronous dispatch sees it, without the gap between the
-    devices' starts that a lone call of a program on several devices pays); 5 of each per
-    round, the variants interleaved."""
+    """Per variant: 5 lone calls, each waited for ("call"), and 5 batches of 10 calls
+    dispatched back to back ("pipelined", `bench.jax_mesh.back_to_back_ms`), ms per call;
+    `rounds` rounds, the variants interleaved."""
     times = {k: {"call": [], "pipelined": []} for k in fns}
     for _ in range(rounds):
         for k, c in fns.items():
-            for _ in range(2):
-                jax.block_until_ready(c(*args[k]))
-            for _ in range(5):
-                t = time.perf_counter()
-                jax.block_until_ready(c(*args[k]))
-                times[k]["call"].append((time.perf_counter() - t) * 1e3)
-            for _ in range(5):
-                t = time.perf_counter()
-                outs = [c(*args[k]) for _ in range(10)]
-                jax.block_until_ready(outs)
-                times[k]["pipelined"].append((time.perf_counter() - t) * 1e2)
-                del outs
+            times[k]["call"] += call_ms(c, args[k])
+            times[k]["pipelined"] += back_to_back_ms(c, args[k], 5)
     return times
 
 
@@ -145,7 +132,7 @@ def schedule(c):
 
 def trace(fns, args, path):
     """The GPU kernels of 3 calls of each program dispatched back to back, from JAX's
-    profiler: per device and stream, each kernel of at least 20 us (start from the stream's
+    profiler: per device and stream, each kernel of at least 20 us (start from the device's
     first kernel, duration; ms) to `path`."""
     import glob, tempfile
     from jax.profiler import ProfileData
@@ -159,13 +146,13 @@ def trace(fns, args, path):
         for plane in data.planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
-            for line in plane.lines:
-                events = sorted((e.start_ns, e.duration_ns, e.name) for e in line.events)
+            streams = [(line.name, sorted((e.start_ns, e.duration_ns, e.name) for e in line.events)) for line in plane.lines]
+            t0 = min((events[0][0] for _, events in streams if events), default=0)
+            for name, events in streams:
                 if not events:
                     continue
-                t0 = events[0][0]
-                lines.append(f"== {k} {plane.name} {line.name}: {len(events)} events")
-                lines += [f"{(t - t0) / 1e6:9.3f} {dt / 1e6:8.3f} {name[:90]}" for t, dt, name in events if dt >= 20e3]
+                lines.append(f"== {k} {plane.name} {name}: {len(events)} events")
+                lines += [f"{(t - t0) / 1e6:9.3f} {dt / 1e6:8.3f} {kernel[:90]}" for t, dt, kernel in events if dt >= 20e3]
     with open(path, "w") as fh:
         fh.write("\n".join(lines))
 
@@ -200,15 +187,15 @@ def main(shapes, head, mode="time"):
                                       "ms_rounds": [round(t, 2) for t in times[k][how]]}
         for k in chosen:
             res[shape][k] = {"temp_GB": round(fns[k].memory_analysis().temp_size_in_bytes / 1e9, 3),
-                             "bit_equal": all(bool(jnp.array_equal(a, b)) for a, b in
-                                              zip(jax.tree.leaves(out["library"]), jax.tree.leaves(out[k])))}
+                             "bit_equal": bit_equal(out["library"], out[k])}
         del out
         print(shape, json.dumps({how: {k: v["ms"] if isinstance(v, dict) else v for k, v in res[shape][how].items()}
                                  for how in ("call", "pipelined")}), json.dumps({k: res[shape][k] for k in chosen}),
               flush=True)
         del fns, sharded, one
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"jax_rows_ring_{head}.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
+    if mode == "time":
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), f"jax_rows_ring_{head}.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
 
 
 if __name__ == "__main__":
