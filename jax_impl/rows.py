@@ -140,6 +140,7 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     loop of 0 or 1 trips). Rows that share those blocks with kept rows are computed too;
     the others are never visited and get zeros in outs.
     """
+    block_rows = max(block_rows, 1)  # no rows: a plan of 0-row blocks, no block to compute
     n_full, rest = divmod(n_rows, block_rows)
     if n_full == 1 and not rest:
         return row_step(carry, per_row)

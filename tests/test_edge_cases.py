@@ -296,3 +296,54 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script.replace("PORT", str(port))], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+EMPTY_CALLS = {  # loss: its call in either framework (f: torch_impl or jax_impl) on x [0, D], W [V, D], targets [0]
+    "topk": (lambda f, x, W, y, z, **k: f.linear_topk_distillation(x, W, z(y, 3, ids=True), z(y, 3), **k)),
+    "dense": (lambda f, x, W, y, z, **k: f.linear_distillation(x, W, x, W, **k)),
+    "log_probs": (lambda f, x, W, y, z, **k: f.linear_log_probs(x, W, y, strategy=k["strategy"])),
+    "policy": (lambda f, x, W, y, z, **k: f.linear_policy_loss(x, W, y, z(y, 0), strategy=k["strategy"])),
+}
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
+@pytest.mark.parametrize("loss", list(EMPTY_CALLS))
+def test_empty_batch_of_every_other_loss(loss, strategy):
+    """No rows: each loss gives what PyTorch's does (a mean over no rows NaN, a sum 0, [0]
+    per-row outputs) and empty or zero gradients, in both frameworks, eagerly and under
+    jax.jit (JAX planned blocks of 0 rows and divided by them)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import jax_impl
+    import torch_impl
+
+    call = EMPTY_CALLS[loss]
+
+    def t_zeros(y, k, ids=False):
+        shape = (0, k) if k else (0,)
+        return torch.zeros(shape, dtype=torch.int64) if ids else torch.full(shape, -1.0)
+
+    def j_zeros(y, k, ids=False):
+        shape = (0, k) if k else (0,)
+        return jnp.zeros(shape, jnp.int32) if ids else jnp.full(shape, -1.0)
+
+    for reduction in ("mean", "sum"):
+        x = torch.zeros(0, 8, requires_grad=True)
+        W = torch.ones(16, 8, requires_grad=True)
+        y = torch.zeros(0, dtype=torch.int64)
+        out = call(torch_impl, x, W, y, t_zeros, reduction=reduction, strategy=strategy)
+        expected = out.sum() if out.ndim else out
+        expected.backward()
+        assert W.grad is not None and torch.all(W.grad == 0) and x.grad.shape == (0, 8)
+
+        def j_loss(x, W):
+            o = call(jax_impl, x, W, jnp.zeros((0,), jnp.int32), j_zeros, reduction=reduction, strategy=strategy)
+            return o.sum() if o.ndim else o
+
+        xj, Wj = jnp.zeros((0, 8)), jnp.ones((16, 8))
+        for fn in (j_loss, jax.jit(j_loss)):
+            value, (gx, gW) = jax.value_and_grad(fn, argnums=(0, 1))(xj, Wj)
+            np.testing.assert_array_equal(np.asarray(value), expected.detach().numpy())
+            assert gx.shape == (0, 8) and np.all(np.asarray(gW) == 0)
