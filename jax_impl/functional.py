@@ -33,8 +33,11 @@ def shape_of(a) -> tuple | None:
 def as_array(name: str, value):
     """`value` as a JAX array, where it is a JAX or NumPy array (or NumPy scalar) of
     numbers; anything else (a list, a string, a Python number, whose dtype would be a
-    guess) raises TypeError naming the argument."""
+    guess) raises TypeError naming the argument. NumPy integers wider than JAX holds them
+    (64-bit types off) must fit the narrower type, else ValueError: JAX would wrap them,
+    a target 2**32 + 5 into class 5."""
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        _check_narrowing(name, value)
         try:
             return jnp.asarray(value)
         except TypeError:  # not numbers (strings, objects)
@@ -42,6 +45,21 @@ def as_array(name: str, value):
     dtype = getattr(value, "dtype", None)
     got = type(value).__name__ + ("" if dtype is None else f" of dtype {dtype}")
     raise TypeError(f"{name} must be a JAX or NumPy array of numbers, got {got}")
+
+
+def _check_narrowing(name: str, value) -> None:
+    """ValueError where `value`, a NumPy integer array, holds a number that the integer type
+    JAX would convert it to cannot hold."""
+    if not isinstance(value, (np.ndarray, np.generic)) or not np.issubdtype(value.dtype, np.integer):
+        return
+    narrow = np.dtype(jax.dtypes.canonicalize_dtype(value.dtype))
+    if narrow == value.dtype:
+        return
+    v, info = np.asarray(value), np.iinfo(narrow)
+    bad = v > info.max if np.issubdtype(v.dtype, np.unsignedinteger) else (v < info.min) | (v > info.max)
+    if bad.any():
+        raise ValueError(f"{name} holds {v[bad].flat[0]}, which JAX would wrap: without 64-bit types "
+                         f"(jax_enable_x64) it converts {v.dtype} to {narrow}, whose range is [{info.min}, {info.max}]")
 
 
 def maybe_array(name: str, value):

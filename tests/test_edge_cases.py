@@ -347,3 +347,53 @@ def test_empty_batch_of_every_other_loss(loss, strategy):
             value, (gx, gW) = jax.value_and_grad(fn, argnums=(0, 1))(xj, Wj)
             np.testing.assert_array_equal(np.asarray(value), expected.detach().numpy())
             assert gx.shape == (0, 8) and np.all(np.asarray(gW) == 0)
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
+def test_torch_unsigned_targets(strategy):
+    """Unsigned targets mean what their values say: uint16/32/64 give int64's loss on every
+    path (the fallback compared them with ops PyTorch lacks for those types), and a uint64
+    target past int64's range is out of range, not wrapped to the ignored -100."""
+    import torch
+
+    import torch_impl
+
+    x, W = torch.randn(4, 8), torch.randn(16, 8)  # fp32: the kernels' paths (interpreted on a CPU)
+    y = torch.tensor([1, 2, 15, 4])
+    expected = torch_impl.linear_cross_entropy(x, W, y, strategy=strategy)
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        assert torch.equal(torch_impl.linear_cross_entropy(x, W, y.to(dtype), strategy=strategy), expected)
+    wrapped = torch.from_numpy(np.array([1, 2, 15, 2**64 - 100], np.uint64))
+    for call in (lambda: torch_impl.linear_cross_entropy(x, W, wrapped, strategy=strategy),
+                 lambda: torch_impl.linear_log_probs(x, W, wrapped, strategy=strategy),
+                 lambda: torch_impl.linear_policy_loss(x, W, wrapped, torch.ones(4), strategy=strategy)):
+        with pytest.raises(ValueError, match="target holds"):
+            call()
+    with pytest.raises(ValueError, match="teacher_ids holds"):
+        torch_impl.linear_topk_distillation(x, W, wrapped.reshape(4, 1), torch.zeros(4, 1),
+                                            strategy=strategy)
+
+
+def test_jax_wide_numpy_integers_are_not_wrapped():
+    """NumPy int64 / uint64 targets and teacher ids that JAX's 32-bit integers cannot hold
+    raise, naming the argument: converted, 2**32 + 15 would be class 15 and 2**32 - 100 the
+    ignored -100."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    if jax.config.jax_enable_x64:
+        pytest.skip("64-bit types on: nothing is narrowed")
+    x, W = jnp.ones((4, 8)), jnp.ones((16, 8))
+    for bad in (2**32 + 15, 2**32 - 100):
+        y = np.array([1, bad, 3, 4], np.int64)
+        for call in (lambda: jax_impl.linear_cross_entropy(x, W, y), lambda: jax_impl.linear_log_probs(x, W, y)):
+            with pytest.raises(ValueError, match=f"target holds {bad}"):
+                call()
+        with pytest.raises(ValueError, match=f"teacher_ids holds {bad}"):
+            jax_impl.linear_topk_distillation(x, W, y.reshape(4, 1), np.zeros((4, 1), np.float32))
+    with pytest.raises(ValueError, match="target holds 18446744073709551516"):
+        jax_impl.linear_cross_entropy(x, W, np.array([1, 2, 3, 2**64 - 100], np.uint64))
+    np.testing.assert_array_equal(jax_impl.linear_cross_entropy(x, W, np.array([1, 2, 3, 4], np.int64)),
+                                  jax_impl.linear_cross_entropy(x, W, jnp.array([1, 2, 3, 4])))

@@ -54,6 +54,17 @@ def dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
+def indices(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Integer targets or teacher ids as int64, or None. A uint64 value past int64's range
+    would wrap to a negative one (2**64 - 100 to an ignored -100): it becomes int64's
+    largest, outside every vocabulary, so an eager call reports it out of range and a
+    compiled one gives its row NaN, as for any target >= V."""
+    if t is None or t.dtype != torch.uint64:
+        return None if t is None else t.to(torch.int64)
+    wrapped = t.view(torch.int64)
+    return torch.where(wrapped < 0, torch.iinfo(torch.int64).max, wrapped)
+
+
 def denominator(num_items_in_batch, dtype: torch.dtype, device) -> torch.Tensor | float | None:
     """num_items_in_batch (None, a number > 0, or a tensor) as the denominator of a mean:
     a tensor moved to `device` in `dtype`, a float, or None; ValueError for a number <= 0."""

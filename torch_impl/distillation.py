@@ -11,7 +11,7 @@ from interop.options import (DEFAULT_IGNORE_INDEX, check_reduction, check_strate
                              target_out_of_range_message)
 from interop.tuning import Tuning
 from torch_impl import custom_ops
-from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
+from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator, indices
 from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl.distill_rules import DenseCall, TopKCall
 from torch_impl import engine
@@ -26,7 +26,7 @@ from torch_impl.vocab_parallel import call_fingerprint, local_targets
 def _valid(o, shape, target, row_mask, device) -> torch.Tensor:
     """bool [N]: the rows that count (`distill_rows.valid_rows`) of a checked call."""
     n = shape.n_rows
-    y = None if target is None else dense(target.reshape(n).to(torch.int64))
+    y = None if target is None else dense(indices(target.reshape(n)))
     return valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, device)
 
 
@@ -178,10 +178,10 @@ def _topk_eager(input, linear_weight, teacher_ids, teacher_logprobs, *, target, 
     o, shape = checked()
     first, V = (0, shape.vocab) if split is None else (split.first, split.vocab)
     n, dev = shape.n_rows, input.device
-    ids = dense(teacher_ids.reshape(n, shape.k).to(torch.int64))
+    ids = dense(indices(teacher_ids.reshape(n, shape.k)))
     if bool((ids >= V).any()):
         raise ValueError(teacher_id_out_of_range_message(int(ids[ids >= V][0]), V))
-    y = None if target is None else dense(target.reshape(n).to(torch.int64))
+    y = None if target is None else dense(indices(target.reshape(n)))
     valid = _valid(o, shape, target, row_mask, dev)
     y_kernel = torch.full((n,), -1, dtype=torch.int64, device=dev)
     if y is not None and o.weight_hard:
@@ -365,10 +365,10 @@ def _topk_operands(o, shape, input, teacher_ids, teacher_logprobs, target, row_m
     except that a row with a teacher id >= V, or with a bad hard target, gets NaN teacher
     log-probabilities (a NaN loss and gradient) instead of raising; the bad id reads nothing."""
     n, V, dev, wide = shape.n_rows, shape.vocab, input.device, compute_dtype(input.dtype)
-    ids = teacher_ids.reshape(n, shape.k).to(torch.int64)
+    ids = indices(teacher_ids.reshape(n, shape.k))
     bad = (ids >= V).any(1)
     ids = torch.where(ids >= V, -1, ids).contiguous()
-    y = None if target is None else target.reshape(n).to(torch.int64)
+    y = None if target is None else indices(target.reshape(n))
     valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
     y_kernel = torch.full((n,), -1, dtype=torch.int64, device=dev)
     if y is not None and o.weight_hard:

@@ -10,7 +10,7 @@ from interop.blocking import skipping_pays
 from interop.options import (DEFAULT_IGNORE_INDEX, CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
-from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator
+from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator, indices
 from torch_impl.rows import compute_dtype
 from torch_impl import custom_ops
 from torch_impl.cross_entropy_rule import CrossEntropyCall
@@ -271,7 +271,7 @@ def _op_build(*args):
      filter_eps, tuning) = args
     opts, shape = _op_checked(*args)
     n, d, vocab, t = shape.n_rows, shape.hidden, shape.vocab, custom_ops.tuning_from_values(tuning)
-    x, y = input.reshape(n, d), dense(target.reshape(n)).to(torch.int64)
+    x, y = input.reshape(n, d), indices(dense(target.reshape(n)))
     b, cw = dense(linear_bias), dense(weight)
     strategy = choose_strategy(strategy, x, n, d, vocab, t)
     if strategy == "chunked":
@@ -326,7 +326,7 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
     shape = checked(weight, None if split is None else split.vocab)
     # with sequence parallel, the rank's part of the rows: the split's loops gather them
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input
-    y_N = dense(target.reshape(shape.n_rows))
+    y_N = indices(dense(target.reshape(shape.n_rows)))
     linear_bias, weight = dense(linear_bias), dense(weight)
     local_vocab = linear_weight.shape[0 if weight_layout == "VD" else 1]
     # the classes a rank plans its blocks for: the whole head's, or the largest rank's slice
@@ -340,12 +340,11 @@ def _eager(input, linear_weight, target, *, linear_bias, weight, reduction, igno
         plan, ops = plan_steps(tuning, "cross_entropy", strategy, shape.n_rows, shape.hidden, local_vocab, x_ND.dtype,
                                accumulate_in_input_dtype)
         loss, lse_N = engine.apply(CrossEntropyCall(opts, weight_layout, plan, ops, split), x_ND, linear_weight,
-                                   linear_bias, weight, y_N.to(torch.int64))
+                                   linear_bias, weight, y_N)
     else:
         # The kernels read out-of-range targets safely (NaN rows), so the work is queued before
         # the host looks at the bad-target count: the check runs behind the first logits
         # product, and the host waits for the check only, not for the call's work.
-        y_N = y_N.to(torch.int64)
         check = TargetCheck(y_N, weight, opts.ignore_index, shape.vocab)
         skip = not return_lse and skipping_pays(tuning, shape.n_rows, shape.hidden, shape.vocab)
         active = rows_to_compute(y_N != opts.ignore_index) if skip else None

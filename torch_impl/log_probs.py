@@ -12,7 +12,7 @@ from interop.log_probs import LogProbsOptions
 from interop.options import DEFAULT_IGNORE_INDEX, check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
 from torch_impl import custom_ops
-from torch_impl.arguments import autocast_inputs, check_tensors, dense
+from torch_impl.arguments import autocast_inputs, check_tensors, dense, indices
 from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl import engine
 from torch_impl.functional import (check_target_range, head_slice, runs_compiled, split_operands,
@@ -112,7 +112,7 @@ def _eager(input, linear_weight, target, *, linear_bias, temperature, softcap, i
         linear_bias is None, torch.is_grad_enabled(), input.requires_grad, linear_weight.requires_grad,
         linear_bias is not None and linear_bias.requires_grad), rows_dim=rows_dim)
     o, shape = checked()
-    y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
+    y_N = indices(dense(target.reshape(shape.n_rows)))
     check_target_range(y_N, shape.vocab if split is None else split.vocab, o.ignore_index)
     x_ND = input.reshape(shape.n_rows, shape.hidden) if rows_dim is None else input  # a part: the loops gather
     plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
@@ -151,7 +151,7 @@ def _op_build(input, linear_weight, target, linear_bias, temperature, softcap, i
     """The op's Call (`custom_ops.OpSpec`); a bad target reads nothing (a NaN log-probability)."""
     o, shape = log_probs_checked(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index,
                                  weight_layout, strategy)
-    x, y = input.reshape(shape.n_rows, shape.hidden), dense(target.reshape(shape.n_rows)).to(torch.int64)
+    x, y = input.reshape(shape.n_rows, shape.hidden), indices(dense(target.reshape(shape.n_rows)))
     plan, ops = custom_ops.block_steps("log_probs", strategy, x, shape.vocab, input.dtype, accumulate_in_input_dtype, tuning)
     return LogProbsCall(o, weight_layout, plan, ops, None), (x, linear_weight, dense(linear_bias), y)
 

@@ -22,7 +22,7 @@ from interop.options import check_inputs, check_strategy, check_tuning
 from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_stats, token_terms
 from interop.tuning import Tuning
 from torch_impl import custom_ops, engine, log_probs, log_probs_rule
-from torch_impl.arguments import autocast_inputs, check_tensors, dense
+from torch_impl.arguments import autocast_inputs, check_tensors, dense, indices
 from torch_impl.head import BlockPlan
 from torch_impl.custom_ops import dtype_of, optional_shape
 from torch_impl.functional import (check_target_range, head_slice, runs_compiled, split_operands,
@@ -305,7 +305,7 @@ def _eager(input, linear_weight, target, advantages, *, old_log_probs, ref_log_p
     o, head, shape = checked()
     vocab = shape.vocab if split is None else split.vocab
     plan_vocab = shape.vocab if split is None else split.largest  # every rank plans the same blocks
-    y_N = dense(target.reshape(shape.n_rows)).to(torch.int64)
+    y_N = indices(dense(target.reshape(shape.n_rows)))
     check_target_range(y_N, vocab, head.ignore_index)
     valid = y_N != head.ignore_index
     if tokens["token_weight"] is None:
