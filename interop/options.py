@@ -177,11 +177,21 @@ def check_reduction(reduction: str, num_items_in_batch=None) -> None:
 
 
 def check_num_items(num_items_in_batch) -> None:
-    """A number given as num_items_in_batch (Python or NumPy) must be > 0; ValueError else.
-    A tensor or array (possibly traced) is taken as given."""
-    if isinstance(num_items_in_batch, (bool, numbers.Number)) and (
-            isinstance(num_items_in_batch, bool) or not num_items_in_batch > 0):
-        raise ValueError(f"num_items_in_batch must be a number > 0, a tensor or an array, got {num_items_in_batch!r}")
+    """num_items_in_batch: a finite number > 0 (Python or NumPy), or a tensor or array of
+    one element, whose value (possibly traced) is taken as given; ValueError for another
+    number or another shape (a loss divided by [2] values would be [2] losses), TypeError
+    for anything else (a string, a list)."""
+    n = num_items_in_batch
+    if isinstance(n, bool) or (isinstance(n, numbers.Number) and not (  # (an int is finite: a traced one stays unguarded)
+            isinstance(n, numbers.Real) and (isinstance(n, numbers.Integral) or math.isfinite(n)) and n > 0)):
+        raise ValueError(f"num_items_in_batch must be a number > 0, a tensor or an array, got {n!r}")
+    if isinstance(n, numbers.Number):
+        return
+    shape = getattr(n, "shape", None)
+    if shape is None:
+        raise TypeError(f"num_items_in_batch must be a number > 0, a tensor or an array, got {type(n).__name__}")
+    if math.prod(shape) != 1:
+        raise ValueError(f"num_items_in_batch must hold one number, got shape {tuple(shape)}")
 
 
 def check_strategy(strategy: str) -> str:

@@ -82,12 +82,12 @@ def check_target_range(y_N, vocab: int, ignore_index: int) -> None:
 
 
 def denominator(num_items_in_batch, dtype):
-    """num_items_in_batch (None, a number > 0, or an array) as the denominator of a mean, an
-    array in `dtype`; ValueError for a number <= 0."""
+    """num_items_in_batch (None, a number > 0, or an array of one element) as the
+    denominator of a mean, a 0-d array in `dtype` (`check_num_items`'s errors else)."""
     if num_items_in_batch is None:
         return None
     check_num_items(num_items_in_batch)
-    return jnp.asarray(num_items_in_batch, dtype)
+    return jnp.asarray(num_items_in_batch, dtype).reshape(())
 
 
 def whole_vocab(linear_weight, weight_layout: str, axis) -> int | None:

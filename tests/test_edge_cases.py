@@ -397,3 +397,37 @@ def test_jax_wide_numpy_integers_are_not_wrapped():
         jax_impl.linear_cross_entropy(x, W, np.array([1, 2, 3, 2**64 - 100], np.uint64))
     np.testing.assert_array_equal(jax_impl.linear_cross_entropy(x, W, np.array([1, 2, 3, 4], np.int64)),
                                   jax_impl.linear_cross_entropy(x, W, jnp.array([1, 2, 3, 4])))
+
+
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_num_items_in_batch_is_one_number(fw):
+    """num_items_in_batch is a number > 0 or a tensor / array of one element (the loss stays
+    a scalar); [2] values, a string, a list or inf raise naming it, in every loss that
+    takes it."""
+    if fw == "torch":
+        import torch
+
+        import torch_impl as f
+        arr, ids = (lambda a: torch.tensor(a, dtype=torch.float32)), (lambda a: torch.tensor(a))
+    else:
+        import jax.numpy as jnp
+
+        import jax_impl as f
+        arr, ids = (lambda a: jnp.asarray(a, jnp.float32)), (lambda a: jnp.asarray(a))
+    x, W, y = arr(np.ones((4, 8))), arr(np.ones((16, 8))), ids([1, 2, 3, 4])
+    calls = {
+        "cross_entropy": lambda n: f.linear_cross_entropy(x, W, y, num_items_in_batch=n),
+        "topk": lambda n: f.linear_topk_distillation(x, W, ids([[1], [2], [3], [4]]), arr(np.zeros((4, 1))),
+                                                     num_items_in_batch=n),
+        "dense": lambda n: f.linear_distillation(x, W, x, W, num_items_in_batch=n),
+    }
+    for name, call in calls.items():
+        expected = np.asarray(call(8.0))
+        for one in (arr(8.0), arr([8.0])):
+            got = call(one)
+            assert np.shape(got) == () and np.allclose(np.asarray(got), expected), name
+        for bad, exc, words in ((arr([4.0, 8.0]), ValueError, "shape (2,)"), ("4", TypeError, "str"),
+                                ([4], TypeError, "list"), (float("inf"), ValueError, "inf")):
+            with pytest.raises(exc, match="num_items_in_batch") as info:
+                call(bad)
+            assert words in str(info.value), (name, info.value)

@@ -66,11 +66,12 @@ def indices(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def denominator(num_items_in_batch, dtype: torch.dtype, device) -> torch.Tensor | float | None:
-    """num_items_in_batch (None, a number > 0, or a tensor) as the denominator of a mean:
-    a tensor moved to `device` in `dtype`, a float, or None; ValueError for a number <= 0."""
+    """num_items_in_batch (None, a number > 0, or a tensor of one element) as the
+    denominator of a mean: a 0-d tensor moved to `device` in `dtype`, a float, or None
+    (`check_num_items`'s errors else)."""
     if num_items_in_batch is None:
         return None
-    if isinstance(num_items_in_batch, torch.Tensor):
-        return num_items_in_batch.to(device=device, dtype=dtype)
     check_num_items(num_items_in_batch)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.to(device=device, dtype=dtype).reshape(())
     return float(num_items_in_batch)
