@@ -12,6 +12,7 @@ by block and form dz in the forward pass, where `linear_log_probs` cannot.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from interop.options import nonnegative
 
@@ -20,6 +21,20 @@ STATS = ("log_probs", "entropy", "ratio", "kl", "clipped_low", "clipped_high", "
 # The per-token arguments, in the order `token_terms` takes them.
 TOKEN_ARGUMENTS = ("advantages", "old_log_probs", "ref_log_probs", "token_weight", "policy_weight", "kl_weight",
                    "entropy_weight")
+
+
+def check_token_argument(name: str, value, array_types: tuple) -> None:
+    """A per-token argument is a tensor or array (`array_types`) or a number, or None where
+    optional (all but advantages); TypeError naming it else (a bool or a string is no
+    per-token value)."""
+    if value is None:
+        if name == "advantages":
+            raise TypeError("advantages is required: a number or a tensor / array that broadcasts to the target's shape")
+        return
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (number or isinstance(value, array_types)):
+        raise TypeError(f"{name} must be a number or a tensor / array that broadcasts to the target's shape, "
+                        f"got {type(value).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)

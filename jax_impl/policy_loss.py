@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from interop.blocking import skipping_pays
 from interop.log_probs import LogProbsOptions
-from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_stats, token_terms
+from interop.policy_loss import (TOKEN_ARGUMENTS, PolicyLossOptions, check_token_argument, mean_weight, token_stats,
+                                 token_terms)
 from interop.tuning import Tuning
 from jax_impl import engine
 from jax_impl.distill_rules import DistillConfig
@@ -99,6 +100,7 @@ def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLo
 def _per_token(name: str, value, shape, wide):
     """A per-token argument as [N] in the compute dtype: an array (or a number, for
     advantages) that broadcasts to the target's shape, else ValueError naming it."""
+    check_token_argument(name, value, (jax.Array, np.ndarray, np.generic))
     if value is None:
         return None
     a = jnp.asarray(value, wide) if isinstance(value, (int, float, np.number)) else as_array(name, value)
@@ -145,7 +147,8 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
     given = dict(advantages=advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                  token_weight=token_weight, policy_weight=policy_weight, kl_weight=kl_weight,
                  entropy_weight=entropy_weight)
-    tokens = {k: _per_token(k, given[k], target.shape, wide) for k in TOKEN_ARGUMENTS if given[k] is not None}
+    tokens = {k: _per_token(k, given[k], target.shape, wide) for k in TOKEN_ARGUMENTS
+              if given[k] is not None or k == "advantages"}  # (advantages None raises)
     y, ignore32 = narrow_targets(target.reshape(n), shape.vocab, head.ignore_index)
     if "token_weight" not in tokens:
         tokens["token_weight"] = mean_weight(jnp, y != ignore32, jnp.zeros(y.shape, wide))

@@ -431,3 +431,28 @@ def test_num_items_in_batch_is_one_number(fw):
             with pytest.raises(exc, match="num_items_in_batch") as info:
                 call(bad)
             assert words in str(info.value), (name, info.value)
+
+
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_policy_loss_per_token_arguments_are_numbers_or_arrays(fw):
+    """advantages is required, and a per-token argument is a number or a tensor / array:
+    None, a string, a bool or a list raise TypeError naming it (not an error from deep
+    inside the loss, nor True taken as 1.0)."""
+    if fw == "torch":
+        import torch
+
+        import torch_impl as f
+        x, W, y, a = torch.ones(4, 8), torch.ones(16, 8), torch.tensor([1, 2, 3, 4]), torch.ones(4)
+    else:
+        import jax.numpy as jnp
+
+        import jax_impl as f
+        x, W, y, a = jnp.ones((4, 8)), jnp.ones((16, 8)), jnp.array([1, 2, 3, 4]), jnp.ones(4)
+    with pytest.raises(TypeError, match="advantages is required"):
+        f.linear_policy_loss(x, W, y, None)
+    for bad in ("a", True, [1.0] * 4):
+        with pytest.raises(TypeError, match=f"advantages must be .* got {type(bad).__name__}"):
+            f.linear_policy_loss(x, W, y, bad)
+        with pytest.raises(TypeError, match=f"kl_weight must be .* got {type(bad).__name__}"):
+            f.linear_policy_loss(x, W, y, a, kl_weight=bad)
+    assert float(f.linear_policy_loss(x, W, y, 1.0)) == float(f.linear_policy_loss(x, W, y, a))

@@ -19,7 +19,8 @@ import torch
 
 from interop.log_probs import LogProbsOptions
 from interop.options import check_inputs, check_strategy, check_tuning
-from interop.policy_loss import TOKEN_ARGUMENTS, PolicyLossOptions, mean_weight, token_stats, token_terms
+from interop.policy_loss import (TOKEN_ARGUMENTS, PolicyLossOptions, check_token_argument, mean_weight, token_stats,
+                                 token_terms)
 from interop.tuning import Tuning
 from torch_impl import custom_ops, engine, log_probs, log_probs_rule
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, indices
@@ -93,6 +94,7 @@ class PolicyCall(engine.Call):
 def _per_token(name: str, t, shape, input, wide):
     """A per-token argument as [N] in the compute dtype: a tensor (or a number, for
     advantages) that broadcasts to the target's shape, else ValueError naming it."""
+    check_token_argument(name, t, (torch.Tensor,))
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
