@@ -121,23 +121,25 @@ class DistillShape:
 
 
 def _student_shape(input_shape, input_dtype, weight_shape, weight_dtype, weight_layout, name=""):
-    """(lead_shape, D, V) of a hidden-states + head pair; `name` prefixes the argument names."""
+    """(lead_shape, D, V) of a hidden-states + head pair; `name` prefixes the argument names
+    (none: the student's input and linear_weight; "teacher_": teacher_input, teacher_weight)."""
+    head = f"{name}weight" if name else "linear_weight"
     if weight_layout not in ("VD", "DV"):
         raise ValueError(f"weight_layout must be 'VD' or 'DV', got {weight_layout!r}")
     if input_dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}input must have a floating dtype {FLOAT_DTYPES}, got {input_dtype}")
     if weight_dtype != input_dtype:
-        raise TypeError(f"{name}input and {name}weight must have the same dtype, got {input_dtype} and {weight_dtype}")
+        raise TypeError(f"{name}input and {head} must have the same dtype, got {input_dtype} and {weight_dtype}")
     if len(input_shape) < 1:
         raise ValueError(f"{name}input must have shape [..., D], got {tuple(input_shape)}")
     if len(weight_shape) != 2:
-        raise ValueError(f"{name}weight must be 2-D ({'[V, D]' if weight_layout == 'VD' else '[D, V]'}), got shape {tuple(weight_shape)}")
+        raise ValueError(f"{head} must be 2-D ({'[V, D]' if weight_layout == 'VD' else '[D, V]'}), got shape {tuple(weight_shape)}")
     vocab, hidden = weight_shape if weight_layout == "VD" else tuple(weight_shape)[::-1]
     if input_shape[-1] != hidden:
-        raise ValueError(f"{name}input's last dimension must equal {name}weight's hidden size D={hidden} "
-                         f"({name}weight {tuple(weight_shape)}, weight_layout={weight_layout!r}), got {name}input shape {tuple(input_shape)}")
+        raise ValueError(f"{name}input's last dimension must equal {head}'s hidden size D={hidden} "
+                         f"({head} {tuple(weight_shape)}, weight_layout={weight_layout!r}), got {name}input shape {tuple(input_shape)}")
     if vocab < 1:
-        raise ValueError(f"{name}weight must have at least one class, got shape {tuple(weight_shape)}")
+        raise ValueError(f"{head} must have at least one class, got shape {tuple(weight_shape)}")
     return tuple(input_shape[:-1]), hidden, vocab
 
 

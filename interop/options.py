@@ -81,11 +81,13 @@ def nonnegative(name: str, value) -> float:
 
 def set_ignore_index(opts) -> None:
     """An options dataclass's ignore_index: None becomes -100 (as PyTorch's functions take
-    it); anything but an int raises ValueError."""
+    it); anything but an int, or one outside int64, raises ValueError."""
     if opts.ignore_index is None:
         object.__setattr__(opts, "ignore_index", DEFAULT_IGNORE_INDEX)
     if isinstance(opts.ignore_index, bool) or not isinstance(opts.ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {opts.ignore_index!r}")
+    if not -2**63 <= opts.ignore_index < 2**63:  # the targets' widest type
+        raise ValueError(f"ignore_index must fit int64, got {opts.ignore_index}")
 
 
 def set_softcap(opts) -> None:

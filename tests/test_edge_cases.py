@@ -35,6 +35,7 @@ BAD_CALLS = {
     "weight-layout": (dict(weight_layout="NV"), ValueError, ["weight_layout", "NV"]),
     "target-out-of-range": (dict(y=np.array([1, 10, -100, 0])), ValueError, ["target", "10", "[0, 10)"]),
     "target-negative": (dict(y=np.array([1, -1, -100, 0])), ValueError, ["target", "-1", "ignore_index=-100"]),
+    "ignore-index-past-int64": (dict(ignore_index=2**70), ValueError, ["ignore_index", "int64", str(2**70)]),
 }
 
 
@@ -456,3 +457,28 @@ def test_policy_loss_per_token_arguments_are_numbers_or_arrays(fw):
         with pytest.raises(TypeError, match=f"kl_weight must be .* got {type(bad).__name__}"):
             f.linear_policy_loss(x, W, y, a, kl_weight=bad)
     assert float(f.linear_policy_loss(x, W, y, 1.0)) == float(f.linear_policy_loss(x, W, y, a))
+
+
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_distillation_errors_name_the_student_head_linear_weight(fw):
+    """The student's head is the argument linear_weight (`weight` is cross-entropy's class
+    weights); the teacher's is teacher_weight."""
+    if fw == "torch":
+        import torch
+
+        import torch_impl as f
+        arr, ids = (lambda *s, dtype=None: torch.ones(*s, dtype=dtype)), (lambda *s: torch.zeros(*s, dtype=torch.long))
+        half = torch.float16
+    else:
+        import jax.numpy as jnp
+
+        import jax_impl as f
+        arr, ids = (lambda *s, dtype=None: jnp.ones(s, dtype)), (lambda *s: jnp.zeros(s, jnp.int32))
+        half = jnp.float16
+    x, W = arr(4, 8), arr(16, 8)
+    with pytest.raises(ValueError, match=r"equal linear_weight's hidden size D=8 \(linear_weight \(16, 8\)"):
+        f.linear_topk_distillation(arr(4, 5), W, ids(4, 1), arr(4, 1))
+    with pytest.raises(TypeError, match="input and linear_weight must have the same dtype"):
+        f.linear_distillation(x, arr(16, 8, dtype=half), x, W)
+    with pytest.raises(ValueError, match="equal teacher_weight's hidden size D=5"):
+        f.linear_distillation(x, W, x, arr(16, 5))
