@@ -12,6 +12,7 @@ GPUs, and bench/NOTES.md holds the runs behind them.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,39 @@ class Tuning:
     # JAX's fused row statistics split the vocabulary so that about this many programs run:
     # 8 per SM of an H100, so the last, partial wave costs little.
     fused_stats_programs: int = 1056
+
+    def __post_init__(self):
+        """Each field a number of its type, within what the planner can use: counts of rows,
+        columns, steps or programs at least 1 (a 0 would divide by zero), bytes and work at
+        least 0, shares and factors finite and at least 0 (rates > 0); ValueError naming
+        the field else."""
+        for f in dataclasses.fields(self):
+            value, name = getattr(self, f.name), f"Tuning.{f.name}"
+            if f.name == "min_memory_block":
+                if not (isinstance(value, tuple) and len(value) == 2 and all(_count(v) for v in value)):
+                    raise ValueError(f"{name} must be a pair of ints >= 1 (rows, columns), got {value!r}")
+            elif f.type == "int" and not (_count(value) if f.name in _COUNTS else _count(value, least=0)):
+                raise ValueError(f"{name} must be an int >= {1 if f.name in _COUNTS else 0}, got {value!r}")
+            elif f.type == "float" and not _share(value, positive=f.name in _RATES):
+                raise ValueError(f"{name} must be a finite number {'> 0' if f.name in _RATES else '>= 0'}, got {value!r}")
+
+
+# Tuning's int fields that count rows, columns, steps or programs (the others are bytes or
+# work, which may be 0), and its float fields that are rates (divisors).
+_COUNTS = frozenset({"speed_block_elements", "speed_min_rows", "min_whole_rows", "min_small_head_rows",
+                     "whole_row_align", "min_last_rows", "xla_memory_cols", "min_block", "slab_align",
+                     "speed_tail_split", "min_chunk_rows", "fused_stats_programs"})
+_RATES = frozenset({"plan_product_flops", "plan_kernel_product_share", "plan_update_bytes_per_second"})
+
+
+def _count(value, least: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _share(value, positive: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
 
 
 DEFAULT = Tuning()

@@ -482,3 +482,21 @@ def test_distillation_errors_name_the_student_head_linear_weight(fw):
         f.linear_distillation(x, arr(16, 8, dtype=half), x, W)
     with pytest.raises(ValueError, match="equal teacher_weight's hidden size D=5"):
         f.linear_distillation(x, W, x, arr(16, 5))
+
+
+def test_tuning_fields_are_checked_when_built():
+    """A Tuning whose numbers the planner cannot use raises ValueError naming the field when
+    it is built (a 0-row block divided by zero inside the planner; a float row count failed
+    in a loop's shape), in both frameworks alike (one dataclass)."""
+    from interop.tuning import Tuning
+
+    for fields, words in ((dict(min_block=0), "Tuning.min_block must be an int >= 1"),
+                          (dict(min_chunk_rows=2.5), "Tuning.min_chunk_rows must be an int >= 1"),
+                          (dict(speed_min_rows=True), "Tuning.speed_min_rows"),
+                          (dict(keep_logits_share="x"), "Tuning.keep_logits_share must be a finite number >= 0"),
+                          (dict(memory_fraction=float("nan")), "Tuning.memory_fraction"),
+                          (dict(plan_product_flops=0.0), "Tuning.plan_product_flops must be a finite number > 0"),
+                          (dict(min_memory_block=(0, 4)), "Tuning.min_memory_block must be a pair")):
+        with pytest.raises(ValueError, match=words):
+            Tuning(**fields)
+    Tuning(skip_ignored_min_work=0, one_speed_block_share=0, keep_logits_share=0.0, xla_gemm_workspace=0)
