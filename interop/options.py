@@ -54,8 +54,9 @@ class CrossEntropyOptions:
 
 
 def as_float(name: str, value) -> float:
-    """value as a float, or ValueError naming the option (a bool is not a number here)."""
-    if isinstance(value, bool):
+    """value as a float, or ValueError naming the option (a bool, or a string that float()
+    would parse, is not a number here)."""
+    if isinstance(value, (bool, str, bytes)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         return float(value)

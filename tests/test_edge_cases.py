@@ -36,6 +36,8 @@ BAD_CALLS = {
     "target-out-of-range": (dict(y=np.array([1, 10, -100, 0])), ValueError, ["target", "10", "[0, 10)"]),
     "target-negative": (dict(y=np.array([1, -1, -100, 0])), ValueError, ["target", "-1", "ignore_index=-100"]),
     "ignore-index-past-int64": (dict(ignore_index=2**70), ValueError, ["ignore_index", "int64", str(2**70)]),
+    "label-smoothing-string": (dict(label_smoothing="0.1"), ValueError, ["label_smoothing", "a number", "'0.1'"]),
+    "z-loss-string": (dict(z_loss="1e-4"), ValueError, ["z_loss", "a number", "'1e-4'"]),
 }
 
 
