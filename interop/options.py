@@ -64,6 +64,14 @@ def as_float(name: str, value) -> float:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
+def check_flags(**flags) -> None:
+    """Each flag True or False (a NumPy bool too); ValueError naming it else: a string such
+    as "no" would count as True."""
+    for name, value in flags.items():
+        if not (isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def positive(name: str, value) -> float:
     """A finite number > 0, or ValueError naming the option."""
     v = as_float(name, value)

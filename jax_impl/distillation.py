@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs,
                                   check_topk_inputs, teacher_id_out_of_range_message)
-from interop.options import check_reduction, check_strategy, check_tuning, target_out_of_range_message
+from interop.options import check_flags, check_reduction, check_strategy, check_tuning, target_out_of_range_message
 from interop.tuning import Tuning
 from jax_impl.distill_rules import dense_distillation, plan_steps, topk_distillation
 from jax_impl.distill_rows import TopKTeacher, valid_rows
@@ -58,6 +58,7 @@ def linear_topk_distillation(input, linear_weight, teacher_ids, teacher_logprobs
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
     """
+    check_flags(accumulate_in_input_dtype=accumulate_in_input_dtype)
     o = TopKDistillationOptions(temperature, renormalize_teacher, tail_bucket, temperature_squared, weight_soft,
                                 weight_hard, reduction, ignore_index, softcap)
     check_strategy(strategy)
@@ -129,6 +130,7 @@ def linear_distillation(input, linear_weight, teacher_input, teacher_weight, *, 
     Returns:
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none".
     """
+    check_flags(accumulate_in_input_dtype=accumulate_in_input_dtype)
     o = DenseDistillationOptions(divergence, beta, temperature, temperature_squared, reduction, ignore_index)
     check_strategy(strategy)
     tuning = check_tuning(tuning)

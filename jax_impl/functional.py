@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from interop.blocking import speed_extra_bytes
-from interop.options import (CrossEntropyOptions, check_filter_eps, check_inputs, check_num_items, check_reduction, check_strategy, check_tuning,
+from interop.options import (CrossEntropyOptions, check_filter_eps, check_flags, check_inputs, check_num_items, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
 from jax_impl import blocked, kernels
@@ -193,6 +193,7 @@ def linear_cross_entropy(
         The loss, fp32 (fp64 for fp64 input): a scalar, or [...] for reduction="none";
         with ``return_lse``, the tuple (loss, lse [...]).
     """
+    check_flags(return_lse=return_lse, accumulate_in_input_dtype=accumulate_in_input_dtype)
     check_reduction(reduction, num_items_in_batch)
     opts = CrossEntropyOptions("sum" if num_items_in_batch is not None else reduction, ignore_index, label_smoothing,
                                z_loss, softcap)

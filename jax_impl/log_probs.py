@@ -10,7 +10,7 @@ import dataclasses
 
 
 from interop.log_probs import LogProbsOptions
-from interop.options import check_inputs, check_strategy, check_tuning
+from interop.options import check_flags, check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
 from jax_impl.distill_rules import plan_steps
 from jax_impl.functional import (as_array, check_target_range, choose_strategy, dtype_name, maybe_array, platform_of,
@@ -63,6 +63,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
         return_entropy and/or return_argmax, the tuple (log_probs, entropy, argmax) of those
         asked for: the entropy of every row, argmax int32 (the first of equal maxima).
     """
+    check_flags(return_entropy=return_entropy, return_argmax=return_argmax, accumulate_in_input_dtype=accumulate_in_input_dtype)
     o = LogProbsOptions(temperature, softcap, ignore_index)
     input, linear_weight, target, linear_bias, shape, tuning = checked_call(
         input, linear_weight, target, linear_bias, o, weight_layout, strategy, tuning, vocab_parallel)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from interop.blocking import skipping_pays
 from interop.log_probs import LogProbsOptions
+from interop.options import check_flags
 from interop.policy_loss import (TOKEN_ARGUMENTS, PolicyLossOptions, check_token_argument, mean_weight, token_stats,
                                  token_terms)
 from interop.tuning import Tuning
@@ -137,6 +138,7 @@ def linear_policy_loss(input, linear_weight, target, advantages, *, old_log_prob
         the dict of per-token arrays of the target's shape that PyTorch's return_stats gives
         (`interop.policy_loss.token_stats`; under `jax.lax.stop_gradient`).
     """
+    check_flags(return_stats=return_stats, accumulate_in_input_dtype=accumulate_in_input_dtype)
     head = LogProbsOptions(temperature, softcap, ignore_index)
     o = PolicyLossOptions(epsilon_low, epsilon_high, beta, entropy_coef, clip_ratio_c, kl_bias_correction)
     o.check_references(ref_log_probs)

@@ -502,3 +502,31 @@ def test_tuning_fields_are_checked_when_built():
         with pytest.raises(ValueError, match=words):
             Tuning(**fields)
     Tuning(skip_ignored_min_work=0, one_speed_block_share=0, keep_logits_share=0.0, xla_gemm_workspace=0)
+
+
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_flags_are_true_or_false(fw):
+    """A flag given as anything but a bool raises naming it: "no" would count as True (a
+    tuple (loss, lse) for return_lse="no")."""
+    if fw == "torch":
+        import torch
+
+        import torch_impl as f
+        x, W, y = torch.ones(4, 8), torch.ones(16, 8), torch.tensor([1, 2, 3, 4])
+    else:
+        import jax.numpy as jnp
+
+        import jax_impl as f
+        x, W, y = jnp.ones((4, 8)), jnp.ones((16, 8)), jnp.array([1, 2, 3, 4])
+    ids, lp = y.reshape(4, 1), x[:, :1] * 0
+    calls = {
+        "return_lse": lambda v: f.linear_cross_entropy(x, W, y, return_lse=v),
+        "return_entropy": lambda v: f.linear_log_probs(x, W, y, return_entropy=v),
+        "return_argmax": lambda v: f.linear_log_probs(x, W, y, return_argmax=v),
+        "return_stats": lambda v: f.linear_policy_loss(x, W, y, 1.0, return_stats=v),
+        "accumulate_in_input_dtype": lambda v: f.linear_topk_distillation(x, W, ids, lp, accumulate_in_input_dtype=v),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"{name} must be True or False, got 'no'"):
+            call("no")
+        call(np.bool_(False))

@@ -7,7 +7,7 @@ import torch
 
 from interop.distillation import (DenseDistillationOptions, TopKDistillationOptions, check_dense_inputs, check_topk_inputs,
                                   teacher_id_out_of_range_message)
-from interop.options import (DEFAULT_IGNORE_INDEX, check_reduction, check_strategy, check_tuning,
+from interop.options import (DEFAULT_IGNORE_INDEX, check_flags, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
 from torch_impl import custom_ops
@@ -125,6 +125,7 @@ def linear_topk_distillation(
     row instead of raising; a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
     there (a graph break).
     """
+    check_flags(accumulate_in_input_dtype=accumulate_in_input_dtype, sequence_parallel=sequence_parallel)
     kwargs = dict(target=target, linear_bias=linear_bias, row_mask=row_mask, temperature=temperature,
                   renormalize_teacher=renormalize_teacher, tail_bucket=tail_bucket,
                   temperature_squared=temperature_squared, weight_soft=weight_soft, weight_hard=weight_hard,
@@ -269,6 +270,7 @@ def linear_distillation(
     linear_cross_entropy's); a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
     there (a graph break).
     """
+    check_flags(accumulate_in_input_dtype=accumulate_in_input_dtype, sequence_parallel=sequence_parallel)
     kwargs = dict(target=target, row_mask=row_mask, divergence=divergence, beta=beta, temperature=temperature,
                   temperature_squared=temperature_squared, reduction=reduction, num_items_in_batch=num_items_in_batch,
                   ignore_index=ignore_index, weight_layout=weight_layout, strategy=strategy,

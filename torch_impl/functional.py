@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from interop.blocking import skipping_pays
-from interop.options import (DEFAULT_IGNORE_INDEX, CrossEntropyOptions, check_filter_eps, check_inputs, check_reduction, check_strategy, check_tuning,
+from interop.options import (DEFAULT_IGNORE_INDEX, CrossEntropyOptions, check_filter_eps, check_flags, check_inputs, check_reduction, check_strategy, check_tuning,
                              target_out_of_range_message)
 from interop.tuning import Tuning
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, denominator, indices
@@ -211,6 +211,7 @@ def linear_cross_entropy(
     and masked, and gradients are first-order. A head split over ranks (``vocab_parallel``
     or DTensors) runs as one eager step there (a graph break).
     """
+    check_flags(return_lse=return_lse, accumulate_in_input_dtype=accumulate_in_input_dtype, sequence_parallel=sequence_parallel)
     kwargs = dict(linear_bias=linear_bias, weight=weight, reduction=reduction, ignore_index=ignore_index,
                   label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype,

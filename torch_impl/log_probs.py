@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from interop.log_probs import LogProbsOptions
-from interop.options import DEFAULT_IGNORE_INDEX, check_inputs, check_strategy, check_tuning
+from interop.options import DEFAULT_IGNORE_INDEX, check_flags, check_inputs, check_strategy, check_tuning
 from interop.tuning import Tuning
 from torch_impl import custom_ops
 from torch_impl.arguments import autocast_inputs, check_tensors, dense, indices
@@ -82,6 +82,7 @@ def linear_log_probs(
     raising; a split head (vocab_parallel, sequence_parallel, DTensors) runs as one eager step
     there (a graph break).
     """
+    check_flags(return_entropy=return_entropy, return_argmax=return_argmax, accumulate_in_input_dtype=accumulate_in_input_dtype, sequence_parallel=sequence_parallel)
     kwargs = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
                   weight_layout=weight_layout, strategy=strategy, accumulate_in_input_dtype=accumulate_in_input_dtype)
     if runs_compiled(vocab_parallel, sequence_parallel, input, linear_weight, linear_bias):

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from interop.log_probs import LogProbsOptions
-from interop.options import check_inputs, check_strategy, check_tuning
+from interop.options import check_flags, check_inputs, check_strategy, check_tuning
 from interop.policy_loss import (TOKEN_ARGUMENTS, PolicyLossOptions, check_token_argument, mean_weight, token_stats,
                                  token_terms)
 from interop.tuning import Tuning
@@ -196,6 +196,7 @@ def linear_policy_loss(
     pass as "memory" does (8 N D V flops); a bad target gives a NaN loss instead of raising.
     With vocab_parallel it runs as one eager step (a graph break).
     """
+    check_flags(return_stats=return_stats, accumulate_in_input_dtype=accumulate_in_input_dtype, sequence_parallel=sequence_parallel)
     kwargs = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, token_weight=token_weight,
                   policy_weight=policy_weight, kl_weight=kl_weight, entropy_weight=entropy_weight,
                   epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
