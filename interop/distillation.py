@@ -91,7 +91,7 @@ class DenseDistillationOptions:
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         beta = as_float("beta", self.beta)
-        if not 0.0 < beta < 1.0:
+        if self.divergence == "jsd" and not 0.0 < beta < 1.0:  # (the other divergences do not read it)
             raise ValueError(f"beta must lie in (0, 1) (use divergence='forward_kl' or 'reverse_kl' for the ends), got {self.beta!r}")
         object.__setattr__(self, "beta", beta)
         object.__setattr__(self, "temperature", positive("temperature", self.temperature))

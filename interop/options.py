@@ -64,6 +64,13 @@ def as_float(name: str, value) -> float:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
+def check_weight_layout(weight_layout: str) -> str:
+    """weight_layout is "VD" ([V, D], nn.Linear's) or "DV" ([D, V], Flax's kernel); ValueError else."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    return weight_layout
+
+
 def check_flags(**flags) -> None:
     """Each flag True or False (a NumPy bool too); ValueError naming it else: a string such
     as "no" would count as True."""
@@ -143,8 +150,7 @@ def check_inputs(
     layouts, and TypeError for dtypes, naming the argument and what it got.
     """
     input_shape, weight_shape, target_shape = tuple(input_shape), tuple(weight_shape), tuple(target_shape)
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    check_weight_layout(weight_layout)
     if input_dtype not in FLOAT_DTYPES:
         raise TypeError(f"input must have a floating dtype {FLOAT_DTYPES}, got {input_dtype}")
     if weight_dtype != input_dtype:

@@ -530,3 +530,33 @@ def test_flags_are_true_or_false(fw):
         with pytest.raises(ValueError, match=f"{name} must be True or False, got 'no'"):
             call("no")
         call(np.bool_(False))
+
+
+def test_module_checks_weight_layout_when_built():
+    """LinearCrossEntropyLoss refuses a bad weight_layout when built, as it does a bad
+    strategy, not at its first forward."""
+    import torch_impl
+
+    with pytest.raises(ValueError, match="weight_layout must be one of .* got 'x'"):
+        torch_impl.LinearCrossEntropyLoss(weight_layout="x")
+
+
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_dense_distillation_reads_beta_for_jsd_only(fw):
+    """beta is the Jensen-Shannon mix: other divergences take any number there (their
+    callers pass a default), "jsd" needs it in (0, 1)."""
+    if fw == "torch":
+        import torch
+
+        import torch_impl as f
+        x, W = torch.ones(4, 8), torch.ones(16, 8)
+    else:
+        import jax.numpy as jnp
+
+        import jax_impl as f
+        x, W = jnp.ones((4, 8)), jnp.ones((16, 8))
+    for divergence in ("forward_kl", "reverse_kl"):
+        assert float(f.linear_distillation(x, W, x, W, divergence=divergence, beta=0.0)) == float(
+            f.linear_distillation(x, W, x, W, divergence=divergence))
+    with pytest.raises(ValueError, match="beta must lie in"):
+        f.linear_distillation(x, W, x, W, divergence="jsd", beta=0.0)

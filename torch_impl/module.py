@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from interop.options import CrossEntropyOptions, check_filter_eps, check_strategy, check_tuning
+from interop.options import CrossEntropyOptions, check_filter_eps, check_strategy, check_tuning, check_weight_layout
 from interop.tuning import Tuning
 from torch_impl.functional import linear_cross_entropy
 
@@ -42,7 +42,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.options = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
         self.register_buffer("weight", weight)
         self.return_lse = return_lse
-        self.weight_layout = weight_layout
+        self.weight_layout = check_weight_layout(weight_layout)
         self.strategy = check_strategy(strategy)
         self.accumulate_in_input_dtype = accumulate_in_input_dtype
         self.filter_eps = check_filter_eps(filter_eps)
