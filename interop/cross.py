@@ -50,6 +50,8 @@ def _int32_targets(target, vocab: int, ignore_index):
 
     ignore_index = -100 if ignore_index is None else ignore_index
     y = target.to(torch.int64)
+    if target.dtype == torch.uint64:  # past int64 it would wrap (2**64 - 100 to -100): out of range instead
+        y = torch.where(target.view(torch.int64) < 0, torch.iinfo(torch.int64).max, target.view(torch.int64))
     bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
     if bool(bad.any()):
         raise ValueError(target_out_of_range_message(int(y[bad][0]), vocab, ignore_index))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from interop.options import (DEFAULT_IGNORE_INDEX, FLOAT_DTYPES, INT_DTYPES, as_float, check_bias, check_reduction,
-                             nonnegative, positive, set_ignore_index, set_softcap)
+from interop.options import (DEFAULT_IGNORE_INDEX, FLOAT_DTYPES, INT_DTYPES, as_float, check_bias, check_flags, check_reduction,
+                             check_weight_layout, nonnegative, positive, set_ignore_index, set_softcap)
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -52,8 +52,8 @@ class TopKDistillationOptions:
         object.__setattr__(self, "weight_soft", nonnegative("weight_soft", self.weight_soft))
         object.__setattr__(self, "weight_hard", nonnegative("weight_hard", self.weight_hard))
         for name in ("renormalize_teacher", "tail_bucket", "temperature_squared"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_flags(**{name: getattr(self, name)})
+            object.__setattr__(self, name, bool(getattr(self, name)))
         if self.tail_bucket and self.renormalize_teacher:
             raise ValueError("tail_bucket=True needs renormalize_teacher=False (a renormalised teacher has no missing mass)")
         check_reduction(self.reduction)
@@ -95,8 +95,8 @@ class DenseDistillationOptions:
             raise ValueError(f"beta must lie in (0, 1) (use divergence='forward_kl' or 'reverse_kl' for the ends), got {self.beta!r}")
         object.__setattr__(self, "beta", beta)
         object.__setattr__(self, "temperature", positive("temperature", self.temperature))
-        if not isinstance(self.temperature_squared, bool):
-            raise ValueError(f"temperature_squared must be True or False, got {self.temperature_squared!r}")
+        check_flags(temperature_squared=self.temperature_squared)
+        object.__setattr__(self, "temperature_squared", bool(self.temperature_squared))
         check_reduction(self.reduction)
         set_ignore_index(self)
 
@@ -124,8 +124,7 @@ def _student_shape(input_shape, input_dtype, weight_shape, weight_dtype, weight_
     """(lead_shape, D, V) of a hidden-states + head pair; `name` prefixes the argument names
     (none: the student's input and linear_weight; "teacher_": teacher_input, teacher_weight)."""
     head = f"{name}weight" if name else "linear_weight"
-    if weight_layout not in ("VD", "DV"):
-        raise ValueError(f"weight_layout must be 'VD' or 'DV', got {weight_layout!r}")
+    check_weight_layout(weight_layout)
     if input_dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}input must have a floating dtype {FLOAT_DTYPES}, got {input_dtype}")
     if weight_dtype != input_dtype:

@@ -252,9 +252,11 @@ def check_tuning(tuning):
 
 
 def target_out_of_range_message(bad_target: int, vocab: int, ignore_index: int) -> str:
-    """The error raised, in eager calls, for a target outside [0, V) that is not ignore_index."""
+    """The error raised, in eager calls, for a target outside [0, V) that is not ignore_index
+    (int64's largest stands for a uint64 target past int64's range, `indices`)."""
+    held = "a value past int64's range" if bad_target == 2**63 - 1 else bad_target
     return (
-        f"target holds {bad_target}, outside [0, {vocab}) for a vocabulary of V={vocab} "
+        f"target holds {held}, outside [0, {vocab}) for a vocabulary of V={vocab} "
         f"and not ignore_index={ignore_index}"
     )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from interop.options import nonnegative
+from interop.options import check_flags, nonnegative
 
 # The per-token values `token_stats` gives (return_stats): names, in order.
 STATS = ("log_probs", "entropy", "ratio", "kl", "clipped_low", "clipped_high", "dual_clipped")
@@ -69,8 +69,8 @@ class PolicyLossOptions:
             if c <= 1.0:
                 raise ValueError(f"clip_ratio_c must be > 1 (a bound above the clipped ratio), got {self.clip_ratio_c!r}")
             object.__setattr__(self, "clip_ratio_c", c)
-        if not isinstance(self.kl_bias_correction, bool):
-            raise ValueError(f"kl_bias_correction must be a bool, got {self.kl_bias_correction!r}")
+        check_flags(kl_bias_correction=self.kl_bias_correction)
+        object.__setattr__(self, "kl_bias_correction", bool(self.kl_bias_correction))
 
     def check_references(self, ref_log_probs) -> None:
         """ValueError where the KL term has no reference policy."""

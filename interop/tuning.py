@@ -131,9 +131,9 @@ class Tuning:
             if f.name == "min_memory_block":
                 if not (isinstance(value, tuple) and len(value) == 2 and all(_count(v) for v in value)):
                     raise ValueError(f"{name} must be a pair of ints >= 1 (rows, columns), got {value!r}")
-            elif f.type == "int" and not (_count(value) if f.name in _COUNTS else _count(value, least=0)):
+            elif type(f.default) is int and not (_count(value) if f.name in _COUNTS else _count(value, least=0)):
                 raise ValueError(f"{name} must be an int >= {1 if f.name in _COUNTS else 0}, got {value!r}")
-            elif f.type == "float" and not _share(value, positive=f.name in _RATES):
+            elif type(f.default) is float and not _share(value, positive=f.name in _RATES):
                 raise ValueError(f"{name} must be a finite number {'> 0' if f.name in _RATES else '>= 0'}, got {value!r}")
 
 
@@ -146,10 +146,12 @@ _RATES = frozenset({"plan_product_flops", "plan_kernel_product_share", "plan_upd
 
 
 def _count(value, least: int = 1) -> bool:
+    """Whether value is an int (not a bool) of at least `least`."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _share(value, positive: bool) -> bool:
+    """Whether value is a finite int or float (not a bool), > 0 with `positive`, else >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
     return value > 0 if positive else value >= 0

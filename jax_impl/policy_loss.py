@@ -99,8 +99,9 @@ def policy_loss(x_ND, W, b_V, y_N, tokens: dict, cfg: DistillConfig, o: PolicyLo
 
 
 def _per_token(name: str, value, shape, wide):
-    """A per-token argument as [N] in the compute dtype: an array (or a number, for
-    advantages) that broadcasts to the target's shape, else ValueError naming it."""
+    """A per-token argument as [N] in the compute dtype: an array or a number that
+    broadcasts to the target's shape (`check_token_argument`'s TypeError for other types;
+    ValueError naming it for another shape or an integer dtype)."""
     check_token_argument(name, value, (jax.Array, np.ndarray, np.generic))
     if value is None:
         return None

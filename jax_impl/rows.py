@@ -141,6 +141,7 @@ def row_loop(row_step, carry, per_row, n_rows: int, block_rows: int, keep=None, 
     the others are never visited and get zeros in outs.
     """
     block_rows = max(block_rows, 1)  # no rows: a plan of 0-row blocks, no block to compute
+    keep = None if n_rows == 0 else keep
     n_full, rest = divmod(n_rows, block_rows)
     if n_full == 1 and not rest:
         return row_step(carry, per_row)

@@ -305,7 +305,8 @@ EMPTY_CALLS = {  # loss: its call in either framework (f: torch_impl or jax_impl
     "topk": (lambda f, x, W, y, z, **k: f.linear_topk_distillation(x, W, z(y, 3, ids=True), z(y, 3), **k)),
     "dense": (lambda f, x, W, y, z, **k: f.linear_distillation(x, W, x, W, **k)),
     "log_probs": (lambda f, x, W, y, z, **k: f.linear_log_probs(x, W, y, strategy=k["strategy"])),
-    "policy": (lambda f, x, W, y, z, **k: f.linear_policy_loss(x, W, y, z(y, 0), strategy=k["strategy"])),
+    "policy": (lambda f, x, W, y, z, **k: f.linear_policy_loss(x, W, y, z(y, 0), strategy=k["strategy"],
+                                                               tuning=k.get("tuning"))),
 }
 
 
@@ -314,13 +315,15 @@ EMPTY_CALLS = {  # loss: its call in either framework (f: torch_impl or jax_impl
 def test_empty_batch_of_every_other_loss(loss, strategy):
     """No rows: each loss gives what PyTorch's does (a mean over no rows NaN, a sum 0, [0]
     per-row outputs) and empty or zero gradients, in both frameworks, eagerly and under
-    jax.jit (JAX planned blocks of 0 rows and divided by them)."""
+    jax.jit, also where JAX computes only the rows not ignored (a plan of no rows has no
+    block to divide them by)."""
     import jax
     import jax.numpy as jnp
     import torch
 
     import jax_impl
     import torch_impl
+    from interop.tuning import Tuning
 
     call = EMPTY_CALLS[loss]
 
@@ -346,7 +349,9 @@ def test_empty_batch_of_every_other_loss(loss, strategy):
             return o.sum() if o.ndim else o
 
         xj, Wj = jnp.zeros((0, 8)), jnp.ones((16, 8))
-        for fn in (j_loss, jax.jit(j_loss)):
+        skipping = lambda x, W: call(jax_impl, x, W, jnp.zeros((0,), jnp.int32), j_zeros, reduction=reduction,
+                                     strategy=strategy, tuning=Tuning(skip_ignored_min_work=0)).sum()
+        for fn in (j_loss, jax.jit(j_loss)) + ((skipping,) if loss == "policy" else ()):
             value, (gx, gW) = jax.value_and_grad(fn, argnums=(0, 1))(xj, Wj)
             np.testing.assert_array_equal(np.asarray(value), expected.detach().numpy())
             assert gx.shape == (0, 8) and np.all(np.asarray(gW) == 0)
@@ -354,9 +359,10 @@ def test_empty_batch_of_every_other_loss(loss, strategy):
 
 @pytest.mark.parametrize("strategy", ["speed", "memory", "chunked"])
 def test_torch_unsigned_targets(strategy):
-    """Unsigned targets mean what their values say: uint16/32/64 give int64's loss on every
-    path (the fallback compared them with ops PyTorch lacks for those types), and a uint64
-    target past int64's range is out of range, not wrapped to the ignored -100."""
+    """Unsigned targets mean what their values say: uint8/16/32/64 give int64's loss on every
+    path and in every loss (a uint8 156 is class 156, not the ignored -100 it equals in
+    uint8; the fallback has no comparisons of uint16/32/64 of its own), and a uint64 target
+    past int64's range is out of range, not wrapped to the ignored -100."""
     import torch
 
     import torch_impl
@@ -370,11 +376,19 @@ def test_torch_unsigned_targets(strategy):
     for call in (lambda: torch_impl.linear_cross_entropy(x, W, wrapped, strategy=strategy),
                  lambda: torch_impl.linear_log_probs(x, W, wrapped, strategy=strategy),
                  lambda: torch_impl.linear_policy_loss(x, W, wrapped, torch.ones(4), strategy=strategy)):
-        with pytest.raises(ValueError, match="target holds"):
+        with pytest.raises(ValueError, match="target holds a value past int64's range"):
             call()
     with pytest.raises(ValueError, match="teacher_ids holds"):
         torch_impl.linear_topk_distillation(x, W, wrapped.reshape(4, 1), torch.zeros(4, 1),
                                             strategy=strategy)
+    W200, Wt = torch.randn(200, 8), torch.randn(200, 8)
+    y156 = torch.tensor([1, 2, 156, 4])
+    for call in (lambda y: torch_impl.linear_cross_entropy(x, W200, y, reduction="none", strategy=strategy),
+                 lambda y: torch_impl.linear_distillation(x, W200, x, Wt, target=y, reduction="none", strategy=strategy),
+                 lambda y: torch_impl.linear_policy_loss(x, W200, y, torch.tensor([1.0, 1.0, 5.0, 1.0]), strategy=strategy),
+                 lambda y: torch.compile(torch_impl.linear_policy_loss, backend="eager", fullgraph=True)(
+                     x, W200, y, torch.tensor([1.0, 1.0, 5.0, 1.0]), strategy=strategy)):
+        torch.testing.assert_close(call(y156.to(torch.uint8)), call(y156))
 
 
 def test_jax_wide_numpy_integers_are_not_wrapped():
@@ -417,12 +431,12 @@ def test_num_items_in_batch_is_one_number(fw):
 
         import jax_impl as f
         arr, ids = (lambda a: jnp.asarray(a, jnp.float32)), (lambda a: jnp.asarray(a))
-    x, W, y = arr(np.ones((4, 8))), arr(np.ones((16, 8))), ids([1, 2, 3, 4])
+    x, W, y = arr(np.ones((4, 8))), arr(np.arange(128).reshape(16, 8) / 64), ids([1, 2, 3, 4])
     calls = {
         "cross_entropy": lambda n: f.linear_cross_entropy(x, W, y, num_items_in_batch=n),
         "topk": lambda n: f.linear_topk_distillation(x, W, ids([[1], [2], [3], [4]]), arr(np.zeros((4, 1))),
                                                      num_items_in_batch=n),
-        "dense": lambda n: f.linear_distillation(x, W, x, W, num_items_in_batch=n),
+        "dense": lambda n: f.linear_distillation(x, W, x, W * 2, num_items_in_batch=n),
     }
     for name, call in calls.items():
         expected = np.asarray(call(8.0))
@@ -488,8 +502,8 @@ def test_distillation_errors_name_the_student_head_linear_weight(fw):
 
 def test_tuning_fields_are_checked_when_built():
     """A Tuning whose numbers the planner cannot use raises ValueError naming the field when
-    it is built (a 0-row block divided by zero inside the planner; a float row count failed
-    in a loop's shape), in both frameworks alike (one dataclass)."""
+    it is built (a 0-row block would divide by zero inside the planner, a float row count
+    fail in a loop's shape), in both frameworks alike (one dataclass)."""
     from interop.tuning import Tuning
 
     for fields, words in ((dict(min_block=0), "Tuning.min_block must be an int >= 1"),
@@ -545,18 +559,19 @@ def test_module_checks_weight_layout_when_built():
 def test_dense_distillation_reads_beta_for_jsd_only(fw):
     """beta is the Jensen-Shannon mix: other divergences take any number there (their
     callers pass a default), "jsd" needs it in (0, 1)."""
+    head = np.arange(128, dtype=np.float32).reshape(16, 8) / 64  # logits that differ by class
     if fw == "torch":
         import torch
 
         import torch_impl as f
-        x, W = torch.ones(4, 8), torch.ones(16, 8)
+        x, W = torch.ones(4, 8), torch.from_numpy(head)
     else:
         import jax.numpy as jnp
 
         import jax_impl as f
-        x, W = jnp.ones((4, 8)), jnp.ones((16, 8))
+        x, W = jnp.ones((4, 8)), jnp.asarray(head)
     for divergence in ("forward_kl", "reverse_kl"):
-        assert float(f.linear_distillation(x, W, x, W, divergence=divergence, beta=0.0)) == float(
-            f.linear_distillation(x, W, x, W, divergence=divergence))
+        loss = float(f.linear_distillation(x, W, x, W * 2, divergence=divergence, beta=0.0))
+        assert loss > 0 and loss == float(f.linear_distillation(x, W, x, W * 2, divergence=divergence))
     with pytest.raises(ValueError, match="beta must lie in"):
         f.linear_distillation(x, W, x, W, divergence="jsd", beta=0.0)

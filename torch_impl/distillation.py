@@ -321,7 +321,7 @@ def _dense_eager(input, linear_weight, teacher_input, teacher_weight, *, target,
     n, dev = shape.n_rows, input.device
     vocab = min(shape.vocab, shape.teacher_vocab)  # with a split: this rank's slice of both heads'
     plan_vocab = vocab if split is None else split.largest
-    y = None if target is None else dense(target.reshape(n))
+    y = None if target is None else dense(indices(target.reshape(n)))
     valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, dev)
     x_ND, xt_ND = input, teacher_input.detach()  # with sequence parallel the parts: the loops gather
     if rows_dim is None:
@@ -428,7 +428,7 @@ def dense_checked(input, linear_weight, teacher_input, teacher_weight, target, r
 def _dense_operands(o, shape, input, teacher_input, target, row_mask):
     """(x [N, D], teacher x [N, Dt], valid [N], vocab: the classes both heads cover)."""
     n = shape.n_rows
-    y = None if target is None else target.reshape(n)
+    y = None if target is None else indices(target.reshape(n))
     valid = valid_rows(n, y, None if row_mask is None else dense(row_mask.reshape(n)), o.ignore_index, input.device)
     return (input.reshape(n, shape.hidden), teacher_input.reshape(n, shape.teacher_hidden), valid,
             min(shape.vocab, shape.teacher_vocab))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from interop.options import CrossEntropyOptions, check_filter_eps, check_strategy, check_tuning, check_weight_layout
+from interop.options import (CrossEntropyOptions, check_filter_eps, check_flags, check_strategy, check_tuning,
+                             check_weight_layout)
 from interop.tuning import Tuning
 from torch_impl.functional import linear_cross_entropy
 
@@ -39,6 +40,8 @@ class LinearCrossEntropyLoss(nn.Module):
         sequence_parallel: bool = False,
     ):
         super().__init__()
+        check_flags(return_lse=return_lse, accumulate_in_input_dtype=accumulate_in_input_dtype,
+                    sequence_parallel=sequence_parallel)
         self.options = CrossEntropyOptions(reduction, ignore_index, label_smoothing, z_loss, softcap)
         self.register_buffer("weight", weight)
         self.return_lse = return_lse

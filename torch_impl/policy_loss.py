@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from interop.log_probs import LogProbsOptions
@@ -92,9 +93,10 @@ class PolicyCall(engine.Call):
 
 
 def _per_token(name: str, t, shape, input, wide):
-    """A per-token argument as [N] in the compute dtype: a tensor (or a number, for
-    advantages) that broadcasts to the target's shape, else ValueError naming it."""
-    check_token_argument(name, t, (torch.Tensor,))
+    """A per-token argument as [N] in the compute dtype: a tensor, a NumPy array or a number
+    that broadcasts to the target's shape (`check_token_argument`'s TypeError for other
+    types; ValueError naming it for another shape or an integer dtype)."""
+    check_token_argument(name, t, (torch.Tensor, np.ndarray))
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -246,7 +248,7 @@ def _compiled(input, linear_weight, target, advantages, *, old_log_probs, ref_lo
         accumulate_in_input_dtype=accumulate_in_input_dtype, tuning=tuning)
     logp, entropy = logp.reshape(-1), entropy.reshape(-1)
     tokens = {k: _per_token(k, given[k], target.shape, input, logp.dtype) for k in TOKEN_ARGUMENTS}
-    valid = target.reshape(-1) != ignore_index
+    valid = indices(target.reshape(-1)) != ignore_index
     if tokens["token_weight"] is None:
         tokens["token_weight"] = mean_weight(torch, valid, torch.zeros_like(logp))
     loss, g, g_h = token_terms(torch, o, logp.detach(), entropy.detach(), valid, *(tokens[k] for k in TOKEN_ARGUMENTS))
